@@ -1,0 +1,159 @@
+"""Axis form (decay / gain / precond / solve / normalize lines) -> explicit-form statements.
+
+The statements built here carry the span of the axis line they come from, so an error found later
+(an unstable range, say) still points at the line the user wrote.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from .errors import SpecError
+from .syntax import (Allow, AxisDecay, AxisGain, AxisNormalize, AxisPrecond, AxisSolve, BinOp, Call, Decl,
+                     Inputs, Let, Num, Range, Readout, Spec, StateDecl, Transpose, Update, Var)
+
+AXES = (AxisDecay, AxisGain, AxisPrecond, AxisSolve, AxisNormalize)
+EXPLICIT = (Inputs, StateDecl, Let, Update, Readout)
+ATK_DEFAULTS = {"x": Fraction(3, 2), "center": Fraction(-1, 5)}
+
+
+def is_axis_form(spec: Spec) -> bool:
+    return any(isinstance(s, AXES) for s in spec.statements)
+
+
+def desugar(spec: Spec) -> Spec:
+    """Return the explicit form of an axis-form spec (explicit specs pass through unchanged)."""
+    if not is_axis_form(spec):
+        return spec
+    mixed = next((s for s in spec.statements if isinstance(s, EXPLICIT)), None)
+    if mixed is not None:
+        raise SpecError("this spec mixes the axis form (decay/gain/precond/solve lines) with explicit "
+                        "statements; write it in one form", mixed.span)
+    axes = {}
+    for s in spec.statements:
+        if isinstance(s, Allow):
+            continue
+        key = type(s).__name__
+        if key in axes:
+            raise SpecError(f"the {_axis_word(s)} axis is given twice; keep one line", s.span)
+        axes[key] = s
+    decay = axes.get("AxisDecay")
+    gain = axes.get("AxisGain")
+    precond = axes.get("AxisPrecond")
+    solve = axes.get("AxisSolve")
+    normalize = axes.get("AxisNormalize")
+    if solve is not None and solve.kind == "offline":
+        raise SpecError("the offline solve (exact least squares, the Mesa layer) is not compiled by this "
+                        "version of lrdsl; use `solve online`", solve.span)
+
+    here = spec.span
+    norm = set()
+    if normalize is not None:
+        for name, span in normalize.names:
+            if name not in ("q", "k", "v"):
+                raise SpecError(f"`normalize` applies to q, k or v, not '{name}'", span)
+            norm.add(name)
+    delta = gain is not None and gain.kind != "none"
+    decls = [Decl("q", ("K", here), ("l2norm",) if "q" in norm else (), None, here),
+             Decl("k", ("K", here), ("l2norm",) if "k" in norm else (("unit",) if delta else ()), None, here),
+             Decl("v", ("V", here), ("l2norm",) if "v" in norm else (), None, here)]
+    stmts = []
+
+    # decay
+    d_expr, d_kind = None, "none"
+    if decay is not None:
+        d_kind, span = decay.kind, decay.span
+        if d_kind == "none":
+            if decay.expr is not None:
+                raise SpecError("`decay none` takes nothing after it", span)
+        elif d_kind == "constant":
+            if decay.expr is None:
+                raise SpecError("`decay constant` needs an expression of the head index h, "
+                                "e.g. `decay constant 1 - 2^(-5-h)`", span)
+            d_expr = decay.expr
+        else:
+            if not isinstance(decay.expr, Var):
+                raise SpecError(f"`decay {d_kind}` names its log-decay input, e.g. `decay {d_kind} g`", span)
+            g = decay.expr
+            decls.append(Decl(g.name, ("K", g.span) if d_kind == "diagonal" else None, ("log",), None, g.span))
+            d_expr = Call("exp", (g,), (), span)
+
+    # preconditioner
+    site = None
+    if precond is not None and precond.kind != "none":
+        span = precond.span
+        if precond.site is None:
+            raise SpecError("`precond diagonal` needs a site and its inputs: atk(g_atk, beta_atk) or "
+                            "atq(g_atk, beta_atk)", span)
+        site = precond.site
+        if len(precond.args) != 2 or not all(isinstance(a, Var) for a in precond.args):
+            raise SpecError(f"{site}(...) takes two input names, its log-decay and its gain, "
+                            f"e.g. {site}(g_atk, beta_atk, x = 1.5, center = -0.2)", span)
+        opts = dict(ATK_DEFAULTS)
+        for name, val in precond.kwargs:
+            if name not in opts:
+                raise SpecError(f"{site}(...) has no option '{name}'; its options are x and center", span)
+            opts[name] = _const(val, f"{site} option {name}")
+        ga, ba = precond.args
+        decls.append(Decl(ga.name, None, ("log", "shared"), None, ga.span))
+        decls.append(Decl(ba.name, None, ("shared",), Range(Fraction(0), Fraction(1), True, True, ba.span), ba.span))
+        k = Var("k", span)
+        stmts.append(StateDecl("p_atk", ("K", span), BinOp("add",
+            BinOp("emul", Call("exp", (ga,), (), span), Var("p_atk", span), span),
+            BinOp("emul", BinOp("emul", ba, k, span), k, span), span), span))
+        stmts.append(Let("m_atk", Call("squash", (Var("p_atk", span),),
+                                       tuple((n, Num(v, span)) for n, v in opts.items()), span), span))
+    elif precond is not None and precond.site is not None:
+        raise SpecError("`precond none` takes nothing after it", precond.span)
+
+    # gain and the update
+    span = gain.span if gain is not None else spec.span
+    k, v, S, I = Var("k", span), Var("v", span), Var("S", span), Var("I", span)
+    key = BinOp("emul", Var("m_atk", span), k, span) if site == "atk" else k
+    erase, write = None, BinOp("matmul", key, Transpose(v, span), span)
+    kind = gain.kind if gain is not None else "none"
+    if kind == "none":
+        if gain is not None and gain.inputs:
+            raise SpecError("`gain none` takes no inputs", span)
+    elif kind == "scalar":
+        if len(gain.inputs) != 1:
+            raise SpecError("`gain scalar` takes one input, e.g. `gain scalar beta in (0, 1)`", span)
+        name, rng, nspan = gain.inputs[0]
+        decls.append(Decl(name, None, (), rng or Range(Fraction(0), Fraction(1), True, True, nspan), nspan))
+        beta = Var(name, nspan)
+        erase = BinOp("matmul", BinOp("matmul", beta, key, span), Transpose(k, span), span)
+        write = BinOp("matmul", BinOp("matmul", beta, key, span), Transpose(v, span), span)
+    else:  # channelwise
+        if len(gain.inputs) != 2:
+            raise SpecError("`gain channelwise` takes an erase gate and a write gate, e.g. "
+                            "`gain channelwise b, w`", span)
+        (bn, br, bs), (wn, wr, ws) = gain.inputs
+        decls.append(Decl(bn, ("K", bs), (), br or Range(Fraction(0), Fraction(1), False, False, bs), bs))
+        decls.append(Decl(wn, ("V", ws), (), wr or Range(Fraction(0), Fraction(1), False, False, ws), ws))
+        erase = BinOp("matmul", key, Transpose(BinOp("emul", Var(bn, bs), k, span), span), span)
+        write = BinOp("matmul", key, Transpose(BinOp("emul", Var(wn, ws), v, span), span), span)
+
+    trans = BinOp("sub", I, erase, span) if erase is not None else None
+    if d_kind == "diagonal":
+        diag = Call("diag", (d_expr,), (), span)
+        trans = diag if trans is None else BinOp("matmul", trans, diag, span)
+    elif d_expr is not None:
+        trans = d_expr if trans is None else BinOp("matmul", d_expr, trans, span)
+    carried = S if trans is None else BinOp("matmul", trans, S, span)
+    stmts.append(Update(BinOp("add", carried, write, span), span))
+    q = Var("q", span)
+    query = BinOp("emul", Var("m_atk", span), q, span) if site == "atq" else q
+    stmts.append(Readout(BinOp("matmul", Transpose(S, span), query, span), span))
+    allows = tuple(s for s in spec.statements if isinstance(s, Allow))
+    return Spec(spec.name, (Inputs(tuple(decls), spec.span), *stmts, *allows), spec.span)
+
+
+def _const(node, what: str) -> Fraction:
+    if isinstance(node, Num):
+        return node.value
+    if isinstance(node, Call) is False and hasattr(node, "x") and isinstance(node.x, Num):  # Neg(Num)
+        return -node.x.value
+    raise SpecError(f"{what} must be a number", getattr(node, "span", None))
+
+
+def _axis_word(s) -> str:
+    return type(s).__name__[4:].lower()

@@ -1,0 +1,15 @@
+"""Text -> IR: the front end as one pure function."""
+from __future__ import annotations
+
+from .errors import SpecError
+from .ir import Mixer
+from .lower import lower
+from .syntax import parse
+
+
+def spec_to_ir(text, filename: str = "<spec>") -> Mixer:
+    source = text if isinstance(text, str) else ""
+    try:
+        return lower(parse(text, filename))
+    except SpecError as e:
+        raise e.located(source, filename) from None

@@ -1,0 +1,114 @@
+"""The IR: one frozen, hashable dataclass per mixer, in canonical form.
+
+The transition is M_t = (I - a c^T) D (order "left") or D (I - a c^T) (order "right"), with D a
+diagonal given by its per-key-channel value d (identity, constant in the head index h, one
+data-dependent number per head, or one per key channel), followed by the rank-1 write
+key value^T. Every per-token quantity is a sympy expression over symbols that stand for one
+channel of an input, of an auxiliary vector state or of a let: elementwise algebra is plain
+scalar algebra on those symbols, and their kinds ("scalar", "K", "V") say how they broadcast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+from .errors import Span
+
+HEAD = sp.Symbol("h", integer=True, nonnegative=True)  # the (value) head index
+SQUASH_EPS = sp.Rational(1, 10**6)
+
+
+class squash(sp.Function):
+    """ATK squash: m = exp(-log(x) * s), s = r / (1 + |r|), r = log(P + 1e-6) - center; m in (1/x, x)."""
+    nargs = 3
+
+    def definition(self) -> sp.Expr:
+        p, x, center = self.args
+        r = sp.log(p + SQUASH_EPS) - center
+        return sp.exp(-sp.log(x) * r / (1 + sp.Abs(r)))
+
+
+def symbol(name: str) -> sp.Symbol:
+    return sp.Symbol(name, real=True)
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    kind: str  # "scalar" (one number per head and token), "K" or "V" (one per channel)
+    shared: bool  # one value per key head (H) instead of per value head (HV)
+    l2norm: bool  # L2-normalised inside the mixer
+    unit: bool  # declared to have unit L2 norm already (or normalised: l2norm implies unit)
+    log: bool  # a log-decay: <= 0
+    lo: sp.Expr  # range; -oo / oo when open-ended
+    hi: sp.Expr
+    lo_open: bool
+    hi_open: bool
+    span: Span | None = field(default=None, compare=False, hash=False)
+
+    @property
+    def symbol(self) -> sp.Symbol:
+        return symbol(self.name)
+
+
+@dataclass(frozen=True)
+class Aux:
+    """An auxiliary vector state: P_t = decay * P_{t-1} + write (elementwise), starting at zero."""
+    name: str
+    kind: str  # "K" or "V"
+    decay: sp.Expr
+    write: sp.Expr
+    span: Span | None = field(default=None, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class Let:
+    name: str
+    kind: str
+    expr: sp.Expr
+    span: Span | None = field(default=None, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class Decay:
+    kind: str  # "identity" | "constant" | "scalar" | "diagonal"
+    value: sp.Expr  # d, the per-channel (or per-head) multiplier
+
+
+@dataclass(frozen=True)
+class Delta:
+    a: sp.Expr  # write direction of the erase (K)
+    c: sp.Expr  # read direction of the erase (K)
+    order: str  # "left": (I - a c^T) D;  "right": D (I - a c^T)
+
+
+@dataclass(frozen=True)
+class Write:
+    key: sp.Expr  # K (scalar factors live here)
+    value: sp.Expr  # V
+
+
+@dataclass(frozen=True)
+class Mixer:
+    name: str
+    inputs: tuple  # Input, ...
+    aux: tuple  # Aux, ...
+    lets: tuple  # Let, ...
+    decay: Decay
+    delta: Delta | None
+    write: Write
+    query: sp.Expr  # o = S^T (scale * query)
+    allow_unstable: bool = False
+    update_span: Span | None = field(default=None, compare=False, hash=False)
+
+    def input(self, name: str) -> Input:
+        return next(i for i in self.inputs if i.name == name)
+
+    def kinds(self) -> dict:
+        """Kind of every symbol a per-token expression may use."""
+        out = {i.name: i.kind for i in self.inputs}
+        out.update({a.name: a.kind for a in self.aux})
+        out.update({l.name: l.kind for l in self.lets})
+        out["h"] = "scalar"
+        return out
