@@ -1,0 +1,127 @@
+"""The reference scan: a plain token loop in PyTorch, exact to the IR, differentiable, any dtype.
+
+Every other implementation (the chunked and recurrent kernels) is tested against this one.
+"""
+from __future__ import annotations
+
+import math
+
+import sympy as sp
+import torch
+
+from . import ir
+from .tensors import L2NORM_EPS, Batch, compute_dtype
+
+_UNARY = {sp.exp: torch.exp, sp.log: torch.log, sp.Abs: torch.abs}
+
+
+def to_torch(e: sp.Expr):
+    """Compile a sympy expression into a function of an environment {name: tensor}."""
+    if isinstance(e, sp.Symbol):
+        name = e.name
+        return lambda env: env[name]
+    if e.is_Number:
+        val = float(e)
+        return lambda env: val
+    if isinstance(e, sp.Add):
+        fs = [to_torch(a) for a in e.args]
+        return lambda env: _fold(fs, env, lambda x, y: x + y)
+    if isinstance(e, sp.Mul):
+        fs = [to_torch(a) for a in e.args]
+        return lambda env: _fold(fs, env, lambda x, y: x * y)
+    if isinstance(e, sp.Pow):
+        fb, fe = to_torch(e.base), to_torch(e.exp)
+        if e.base.is_Number:  # b^x: keep it an exp so it is differentiable and exact in float64
+            lb = math.log(float(e.base))
+            return lambda env: torch.exp(lb * torch.as_tensor(fe(env)))
+        return lambda env: torch.as_tensor(fb(env)) ** fe(env)
+    if isinstance(e, ir.squash):
+        return to_torch(e.definition())
+    for fn, tfn in _UNARY.items():
+        if isinstance(e, fn):
+            f = to_torch(e.args[0])
+            return lambda env: tfn(torch.as_tensor(f(env)))
+    raise TypeError(f"the reference cannot evaluate {e!r}")  # the lowering admits nothing else
+
+
+def _fold(fs, env, op):
+    acc = fs[0](env)
+    for f in fs[1:]:
+        acc = op(acc, f(env))
+    return acc
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def prepare_inputs(m: ir.Mixer, b: Batch, dtype: torch.dtype) -> dict:
+    """Cast to the compute dtype, repeat shared inputs over value heads, apply in-mixer l2norm."""
+    out = {}
+    G = b.HV // b.H
+    for i in m.inputs:
+        x = b.tensors[i.name].to(dtype)
+        if i.shared and G > 1:
+            x = x.repeat_interleave(G, dim=2)
+        if i.l2norm:
+            x = l2norm(x)
+        if i.kind == "scalar":
+            x = x.unsqueeze(-1)
+        out[i.name] = x
+    return out
+
+
+def scan(m: ir.Mixer, b: Batch):
+    """o [B, T, HV, V] (in v's dtype) and the final state [N, HV, K, V] (fp32, fp64 for fp64 inputs)."""
+    dtype = compute_dtype(b)
+    x = prepare_inputs(m, b, dtype)
+    dev = b.tensors["q"].device
+    f_aux = [(a.name, to_torch(a.decay), to_torch(a.write), a.kind) for a in m.aux]
+    f_let = [(lt.name, to_torch(lt.expr)) for lt in m.lets]
+    f_d, f_key, f_val = to_torch(m.decay.value), to_torch(m.write.key), to_torch(m.write.value)
+    f_q = to_torch(m.query)
+    f_a = to_torch(m.delta.a) if m.delta else None
+    f_c = to_torch(m.delta.c) if m.delta else None
+    head = torch.arange(b.HV, device=dev, dtype=dtype).view(1, b.HV, 1)
+    outs, finals = [], []
+    for n, (bi, bos, eos) in enumerate(b.sequences()):
+        S = torch.zeros(1, b.HV, b.K, b.V, device=dev, dtype=dtype)
+        if b.initial_state is not None:
+            S = b.initial_state[n:n + 1].to(dtype)
+        aux = {name: torch.zeros(1, b.HV, b.K if kind == "K" else b.V, device=dev, dtype=dtype)
+               for name, _, _, kind in f_aux}
+        o_seq = []
+        for t in range(bos, eos):
+            env = {name: val[bi:bi + 1, t] for name, val in x.items()}
+            env["h"] = head
+            for name, fd, fw, _ in f_aux:
+                aux[name] = fd(env) * aux[name] + fw(env)
+                env[name] = aux[name]
+            for name, f in f_let:
+                env[name] = f(env)
+            d = torch.as_tensor(f_d(env), dtype=dtype, device=dev)
+            d = d.unsqueeze(-1) if d.dim() else d
+            if m.delta is None:
+                S = d * S
+            else:
+                a, c = f_a(env), f_c(env)
+                if m.delta.order == "left":
+                    S = d * S
+                    S = S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True)
+                else:
+                    S = d * (S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True))
+            key, val = f_key(env), f_val(env)
+            S = S + torch.as_tensor(key).unsqueeze(-1) * torch.as_tensor(val).unsqueeze(-2)
+            qv = torch.as_tensor(f_q(env)) * b.scale
+            o_seq.append((qv.unsqueeze(-1) * S).sum(-2))
+        if o_seq:
+            outs.append(torch.stack(o_seq, dim=1))
+        else:
+            outs.append(torch.zeros(1, 0, b.HV, b.V, device=dev, dtype=dtype))
+        finals.append(S)
+    if b.cu_seqlens is None:
+        o = torch.cat(outs, dim=0)
+    else:
+        o = torch.cat(outs, dim=1)
+    final = torch.cat(finals, dim=0) if b.output_final_state else None
+    return o.to(b.tensors["v"].dtype), final

@@ -1,0 +1,122 @@
+"""Validation of the tensors handed to a mixer, shared by the reference and the kernels.
+
+Layouts follow flash-linear-attention: q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H);
+per-head inputs [B, T, HV] (or [B, T, H] when `shared`); key-channel inputs [B, T, HV, K]; value
+channel inputs [B, T, HV, V]; states [N, HV, K, V]; with cu_seqlens ([N + 1], int) B is 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ir
+from .errors import InputError
+
+L2NORM_EPS = 1e-6
+API_KEYWORDS = ("scale", "initial_state", "output_final_state", "cu_seqlens")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Validated inputs: every declared input by name, plus the sizes and options of the call."""
+    tensors: dict
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    scale: float
+    initial_state: torch.Tensor | None
+    output_final_state: bool
+    cu_seqlens: torch.Tensor | None
+
+    @property
+    def N(self) -> int:
+        return self.B if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
+
+    def sequences(self) -> list:
+        """(batch index, start, end) of every sequence."""
+        if self.cu_seqlens is None:
+            return [(b, 0, self.T) for b in range(self.B)]
+        c = self.cu_seqlens.tolist()
+        return [(0, c[i], c[i + 1]) for i in range(len(c) - 1)]
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def expected_shape(inp: ir.Input, B, T, H, HV, K, V) -> tuple:
+    heads = H if inp.shared else HV
+    if inp.kind == "scalar":
+        return (B, T, heads)
+    return (B, T, heads, K if inp.kind == "K" else V)
+
+
+def _layout(inp: ir.Input) -> str:
+    heads = "H" if inp.shared else "HV"
+    return f"[B, T, {heads}]" if inp.kind == "scalar" else f"[B, T, {heads}, {inp.kind}]"
+
+
+def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=None,
+             output_final_state=False, cu_seqlens=None) -> Batch:
+    given = dict(inputs)
+    given.update(q=q, k=k, v=v)
+    declared = {i.name: i for i in mixer.inputs}
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise InputError(f"mixer '{mixer.name}' has no input named {unknown[0]!r}; its inputs are "
+                         f"{', '.join(declared)}")
+    missing = [n for n in declared if given.get(n) is None]
+    if missing:
+        inp = declared[missing[0]]
+        raise InputError(f"mixer '{mixer.name}' needs the input {missing[0]!r} with shape {_layout(inp)}")
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"input {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise InputError(f"input {name!r} must be a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise InputError(f"input {name!r} is on {t.device} but q is on {q.device}; put all inputs on "
+                             "one device")
+    if q.dim() != 4:
+        raise InputError(f"input 'q' must have shape [B, T, H, K], got {_shape(q)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
+        raise InputError(f"input 'v' must have shape [B, T, HV, V] = [{B}, {T}, HV, V], got {_shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H:
+        raise InputError(f"v has {HV} heads, which is not a multiple of the {H} heads of q and k")
+    if min(K, V) < 1:
+        raise InputError(f"K and V must be at least 1, got K={K}, V={V}")
+    for name, t in given.items():
+        want = expected_shape(declared[name], B, T, H, HV, K, V)
+        if tuple(t.shape) != want:
+            raise InputError(f"input {name!r} must have shape {_layout(declared[name])} = "
+                             f"[{', '.join(map(str, want))}], got {_shape(t)}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise InputError("cu_seqlens must be a 1-D integer tensor [N + 1]")
+        if B != 1:
+            raise InputError(f"with cu_seqlens the sequences are packed along T, so B must be 1, got B={B}")
+        c = cu_seqlens.tolist()
+        if len(c) < 2 or c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
+            raise InputError(f"cu_seqlens must start at 0, never decrease and end at T={T}, got {c}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (N, HV, K, V):
+            got = _shape(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+            raise InputError(f"initial_state must have shape [N, HV, K, V] = [{N}, {HV}, {K}, {V}], got {got}")
+        if initial_state.device != q.device:
+            raise InputError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+    if scale is None:
+        scale = K ** -0.5
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise InputError(f"scale must be a number or None, got {type(scale).__name__}")
+    return Batch(given, B, T, H, HV, K, V, float(scale), initial_state, bool(output_final_state), cu_seqlens)
+
+
+def compute_dtype(b: Batch) -> torch.dtype:
+    return torch.float64 if b.tensors["q"].dtype == torch.float64 else torch.float32
