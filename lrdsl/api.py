@@ -45,6 +45,20 @@ class Mixer:
         import copy
         return copy.deepcopy(self._facts)
 
+    @cached_property
+    def kernels(self):
+        """The generated module (kernels and host wrappers), loaded from the on-disk cache."""
+        from .runtime import load
+        return load(self.ir)
+
+    def recurrent(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None, **inputs):
+        """The fused recurrent (token by token) kernel; same signature and results as reference."""
+        batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        return self.kernels.recurrent(q, k, v, scale=batch.scale, initial_state=initial_state,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                      **inputs)
+
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):
         """o [B, T, HV, V] and the final state [N, HV, K, V] (None unless output_final_state)."""

@@ -25,7 +25,7 @@ RESERVED = {"S", "I", "T", "o", "h", "inf", "exp", "log", "sqrt", "abs", "sigmoi
             "mixer", "input", "state", "let", "allow", "decay", "gain", "precond", "solve", "normalize",
             "in", "unit", "l2norm", "shared", "none", "constant", "scalar", "diagonal", "channelwise",
             "atk", "atq", "online", "offline", "scale", "initial_state", "output_final_state",
-            "cu_seqlens", "self", "mixer_name"}
+            "cu_seqlens", "self", "mixer_name", "torch", "triton", "tl", "math", "inputs"}
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}\Z")
 ALLOWS = {"unstable"}
 

@@ -1,0 +1,83 @@
+"""IR -> kernel plan: every decision the templates need, as data. Templates never decide.
+
+A plan holds the Triton text of each per-token quantity (the named holes), the loads, the
+feature flags and the tile sizes. Features that are off leave no trace in the rendered source.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from lrdsl import ir, printer
+
+from .texpr import code, var
+
+
+@dataclass(frozen=True)
+class Load:
+    """One input tensor the kernel reads per token."""
+    name: str  # validated identifier from the spec
+    var: str  # block variable in the kernel
+    kind: str  # "scalar" | "K" | "V"
+    shared: bool  # indexed by key head (H) instead of value head (HV)
+    l2norm: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    """An assignment `var = expr` evaluated per token, in order."""
+    var: str
+    expr: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    mixer: str
+    summary: tuple  # comment lines for the header of the generated module
+    loads: tuple  # Load, ...
+    aux: tuple  # (var, kind, decay expr, write expr), ...
+    lets: tuple  # Step, ...
+    decay_kind: str  # identity | constant | scalar | diagonal
+    decay: str  # Triton text of d_t
+    uses_head: bool  # some expression uses the head index h
+    delta: bool
+    order: str  # "left" | "right" ("" without delta)
+    erase_a: str
+    erase_c: str
+    write_key: str
+    write_value: str
+    query: str
+    # tuning (per spec and per GPU; the templates read these, never hard-code them)
+    recurrent_bv: int = 32
+    recurrent_warps: int = 1
+
+    def key(self) -> str:
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+
+def plan(m: ir.Mixer) -> Plan:
+    loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm) for i in m.inputs)
+    exprs = [m.decay.value, m.write.key, m.write.value, m.query]
+    exprs += [a.decay for a in m.aux] + [a.write for a in m.aux] + [lt.expr for lt in m.lets]
+    if m.delta:
+        exprs += [m.delta.a, m.delta.c]
+    summary = (f"mixer {m.name}",
+               *("  " + line for line in printer.explicit(m).splitlines()[1:]))
+    return Plan(
+        mixer=m.name,
+        summary=summary,
+        loads=loads,
+        aux=tuple((var(a.name), a.kind, code(a.decay), code(a.write)) for a in m.aux),
+        lets=tuple(Step(var(lt.name), code(lt.expr), lt.kind) for lt in m.lets),
+        decay_kind=m.decay.kind,
+        decay=code(m.decay.value),
+        uses_head=any(e.has(ir.HEAD) for e in exprs),
+        delta=m.delta is not None,
+        order=m.delta.order if m.delta else "",
+        erase_a=code(m.delta.a) if m.delta else "",
+        erase_c=code(m.delta.c) if m.delta else "",
+        write_key=code(m.write.key),
+        write_value=code(m.write.value),
+        query=code(m.query),
+    )

@@ -1,0 +1,71 @@
+"""Rendered source -> loaded module, cached on disk.
+
+The cache key is the canonical spec text (printed from the IR), the plan, the lrdsl version and the
+triton version. Files are written to a temporary name and renamed, so a parallel process sees a
+whole module or none.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from . import ir, printer
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LRDSL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lrdsl")
+    return Path(root)
+
+
+def generate(m: ir.Mixer) -> str:
+    """The standalone module for a mixer (same IR -> same bytes)."""
+    from . import __version__
+    from .codegen.plan import plan
+    from .codegen.render import render
+    return render(plan(m), __version__)
+
+
+def module_key(m: ir.Mixer, source: str) -> str:
+    import triton
+
+    from . import __version__
+    h = hashlib.sha256()
+    for part in (printer.explicit(m), source, __version__, triton.__version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load(m: ir.Mixer):
+    """Generate (or find in the cache) and import the kernels module of a mixer."""
+    source = generate(m)
+    key = module_key(m, source)
+    path = cache_dir() / f"{m.name}_{key}.py"
+    if not path.exists() or path.read_text() != source:
+        write_atomic(path, source)
+    mod_name = f"lrdsl_generated_{m.name}_{key}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod
+    spec.loader.exec_module(mod)
+    return mod
