@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import sympy as sp
+
 from lrdsl import ir, printer
 
 from .texpr import code, var
@@ -48,9 +50,14 @@ class Plan:
     write_key: str
     write_value: str
     query: str
+    log_decay: str  # Triton text of log d_t (chunked kernels cumulate decays in log space)
     # tuning (per spec and per GPU; the templates read these, never hard-code them)
     recurrent_bv: int = 32
     recurrent_warps: int = 1
+    chunk_size: int = 64  # BT; 16 for per-channel decays, whose pairwise terms are built elementwise
+    chunk_bv: int = 32
+    chunk_bkt: int = 32  # key tile of the elementwise pairwise sums
+    chunk_warps: int = 4
 
     def key(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
@@ -80,4 +87,6 @@ def plan(m: ir.Mixer) -> Plan:
         write_key=code(m.write.key),
         write_value=code(m.write.value),
         query=code(m.query),
+        log_decay=code(sp.expand_log(sp.log(m.decay.value), force=True)),
+        chunk_size=16 if m.decay.kind == "diagonal" else 64,
     )

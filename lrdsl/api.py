@@ -59,6 +59,14 @@ class Mixer:
                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                       **inputs)
 
+    def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, **inputs):
+        """The chunk-parallel kernels; same signature and results as reference."""
+        batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        return self.kernels.chunk(q, k, v, scale=batch.scale, initial_state=initial_state,
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                  **inputs)
+
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):
         """o [B, T, HV, V] and the final state [N, HV, K, V] (None unless output_final_state)."""

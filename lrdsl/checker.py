@@ -187,12 +187,12 @@ def analyse(mixer: ir.Mixer) -> dict:
         notes.append(f"D is one number per head in {_iv(D)}, so the eigenvalues are exactly D and "
                      f"D (1 - c^T a): in {_iv(eig)}.")
         proved = True
-    elif D[0] >= 0 and (W[0] >= 0 or W[1] <= 0):
-        # a_i c_i of one sign: diag(sqrt(c_i d_i / a_i)) makes M symmetric, equal to
-        # D^1/2 (I -+ y y^T) D^1/2 with y_i^2 = |a_i c_i|; its Rayleigh quotients split as a product
-        notes.append(f"D >= 0 per channel and every a_i c_i has one sign, so M is similar to the symmetric "
-                     f"D^1/2 (I - a c^T)_sym D^1/2: its eigenvalues are real and lie in "
-                     f"{_iv(F)} x {_iv(D)} = {_iv(eig)}.")
+    elif (D[0] >= 0 or D[1] <= 0) and (W[0] >= 0 or W[1] <= 0):
+        # d_i and a_i c_i each of one sign: diag(sqrt(c_i d_i / a_i)) makes M symmetric, equal to
+        # +-|D|^1/2 (I -+ y y^T) |D|^1/2 with y_i^2 = |a_i c_i|; its Rayleigh quotients split as a product
+        notes.append(f"D and every a_i c_i each keep one sign, so M is similar to the symmetric "
+                     f"|D|^1/2 (I - a c^T)_sym |D|^1/2 (times the sign of D): its eigenvalues are real and "
+                     f"lie in {_iv(F)} x {_iv(D)} = {_iv(eig)}.")
         proved = True
     else:
         notes.append(f"D varies per channel and D or a_i c_i may change sign: {_iv(eig)} is a guess, "
@@ -342,7 +342,8 @@ def explain(result: dict) -> str:
         vals = ", ".join(f"{k}={np.round(v, 4).tolist()}" for k, v in ce["inputs"].items())
         rows.append(("counterexample", f"K={ce['K']}, ||M||={ce['spectral_norm']:.4g}: {vals}"))
     width = max(len(k) for k, _ in rows)
-    return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + [f"  - {n}" for n in result["notes"]])
+    lines = [f"{k:<{width}}  {v}" for k, v in rows] + [f"  - {n}" for n in result["notes"]]
+    return "\n".join(lines) + "\n"
 
 
 def stability_error(mixer: ir.Mixer, result: dict) -> str | None:

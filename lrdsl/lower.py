@@ -32,8 +32,10 @@ ALLOWS = {"unstable"}
 
 def check_name(name: str, span, what: str = "name") -> None:
     """Names reach generated code and keyword arguments: keep them plain identifiers."""
+    article = "an" if what[0] in "aeiou" else "a"
     if name in RESERVED or keyword.iskeyword(name) or name.startswith("_"):
-        raise SpecError(f"'{name}' is reserved and cannot be used as a {what}; choose another name", span)
+        raise SpecError(f"'{name}' is reserved and cannot be used as {article} {what}; choose another name",
+                        span)
     if not NAME_RE.match(name):
         raise SpecError(f"'{name}' is not a valid {what}: use lower-case letters, digits and '_', starting "
                         "with a letter, at most 32 characters", span)
@@ -87,6 +89,21 @@ def _desc(x) -> str:
     return "the readout S^T x"
 
 
+MAX_CONSTANT_BITS = 4096  # numerator and denominator of an exact constant (2^4096 ~ 1e1233)
+
+
+def _check_constant(e: sp.Expr, span) -> None:
+    """A constant must be a finite real number of sane size (1/0, log(-1), 2^1000000 are refused)."""
+    if e.has(sp.zoo, sp.nan, sp.oo, -sp.oo) or e.is_number and (e.is_finite is False
+                                                                or e.is_extended_real is False):
+        raise SpecError(f"this constant is not a finite real number ({e}); check divisions by zero and "
+                        "log or sqrt of negative numbers", span)
+    for r in e.atoms(sp.Rational):
+        if max(abs(r.p), r.q).bit_length() > MAX_CONSTANT_BITS:
+            raise SpecError("this constant is too large or too small to represent exactly; lrdsl computes in "
+                            "floating point, so keep constants between about 1e-300 and 1e300", span)
+
+
 def _join(a: str, b: str, span, what: str) -> str:
     if a == b or b == "scalar":
         return a
@@ -111,7 +128,10 @@ class Lowerer:
     # -- expressions
     def expr(self, node):
         m = getattr(self, "e_" + type(node).__name__)
-        return m(node)
+        out = m(node)
+        if isinstance(out, Val):
+            _check_constant(out.expr, node.span)
+        return out
 
     def e_Num(self, n: Num):
         return Val("scalar", sp.Rational(n.value.numerator, n.value.denominator))
@@ -210,6 +230,8 @@ class Lowerer:
                         "diagonal matrix and juxtaposition (A S, k v^T) for matrix products", n.span)
 
     def op_ediv(self, a, b, n):
+        if isinstance(b, Val) and b.expr.is_zero:
+            raise SpecError("division by zero", n.span)
         if isinstance(b, Val) and isinstance(a, Val):
             return Val(_join(a.kind, b.kind, n.span, "divide"), a.expr / b.expr)
         if isinstance(b, Val) and b.kind == "scalar":
@@ -218,6 +240,8 @@ class Lowerer:
 
     def op_pow(self, a, b, n):
         if isinstance(a, Val) and isinstance(b, Val):
+            if a.expr.is_number and b.expr.is_number and abs(b.expr) > MAX_CONSTANT_BITS:
+                raise SpecError(f"the exponent {b.expr} is too large; lrdsl computes in floating point", n.span)
             return Val(_join(a.kind, b.kind, n.span, "raise"), a.expr ** b.expr)
         raise SpecError(f"'^' raises numbers and vectors elementwise, not {_desc(a)}; use '^T' to "
                         "transpose", n.span)

@@ -13,6 +13,9 @@ from .errors import Span, SpecError
 
 MAX_NESTING = 64
 MAX_BYTES = 1 << 20
+MAX_DEPTH = 200  # parse-tree levels (a long chain like a + b + c + ... nests one level per operator)
+MAX_NUMBER_CHARS = 64
+MAX_EXPONENT = 300
 
 
 # ---- expression AST -----------------------------------------------------------------------------
@@ -166,7 +169,14 @@ def _span(meta_or_token) -> Span:
 
 
 def _number(tok: Token) -> Fraction:
-    return Fraction(str(tok))  # exact: 0.2 is 1/5, so printing and re-parsing is lossless
+    text = str(tok)
+    # Fraction("1e99999999") takes minutes and a long digit string overflows int(): refuse both
+    mantissa, _, exponent = text.lower().partition("e")
+    if len(text) > MAX_NUMBER_CHARS or (exponent and abs(int(exponent)) > MAX_EXPONENT):
+        raise SpecError(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is out of range; numbers "
+                        f"have at most {MAX_NUMBER_CHARS} characters and exponents within "
+                        f"+-{MAX_EXPONENT}", _span(tok))
+    return Fraction(text)  # exact: 0.2 is 1/5, so printing and re-parsing is lossless
 
 
 @v_args(meta=True)
@@ -341,8 +351,11 @@ def _preflight(text) -> str:
                             Span(line, col)) from None
     if len(text) > MAX_BYTES:
         raise SpecError(f"the spec has {len(text)} characters; specs are at most {MAX_BYTES}")
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark some editors write
     if not text.strip():
         raise SpecError("the spec is empty; it starts with a line `mixer NAME`", Span(1, 1))
+    if not any(line.split("#", 1)[0].strip() for line in text.splitlines()):
+        raise SpecError("the spec has only comments; it starts with a line `mixer NAME`", Span(1, 1))
     line, col, depth = 1, 0, 0
     for ch in text:
         col += 1
@@ -369,6 +382,7 @@ def parse(text, filename: str = "<spec>") -> Spec:
             tree = _parser().parse(text)
         except UnexpectedInput as e:
             raise _syntax_error(e, text) from None
+        _check_depth(tree)
         try:
             return _ToAst().transform(tree)
         except VisitError as e:
@@ -377,6 +391,17 @@ def parse(text, filename: str = "<spec>") -> Spec:
             raise
     except SpecError as e:
         raise e.located(text if isinstance(text, str) else "", filename) from None
+
+
+def _check_depth(tree) -> None:
+    """Transforming and lowering recurse over the tree: refuse a tree too deep for Python's stack."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise SpecError(f"this expression is too long: it nests more than {MAX_DEPTH} levels deep; "
+                            "split it with `let`", _span(node.meta))
+        stack.extend((c, depth + 1) for c in getattr(node, "children", ()) if hasattr(c, "children"))
 
 
 def _syntax_error(e: UnexpectedInput, text: str) -> SpecError:

@@ -69,6 +69,16 @@ input q[K], k[K] l2norm, v[V], g log, beta in (0, 3)
 S = exp(g) (I - beta k k^T) S + beta k v^T
 o = S^T q
 """,
+    "neg_diag": """mixer neg_diag
+input q[K], k[K] l2norm, v[V], d[K] in (-1, 0), beta in (0, 1)
+S = (I - beta k k^T) diag(d) S + beta k v^T
+o = S^T q
+""",
+    "mixed_diag": """mixer mixed_diag
+input q[K], k[K] l2norm, v[V], d[K] in (-1, 1), b[K] in [0, 1]
+S = (I - k (b*k)^T) diag(d) S + k v^T
+o = S^T q
+""",
     "not_unit": """mixer not_unit
 input q[K], k[K], v[V], beta in (0, 1)
 S = (I - beta k k^T) S + beta k v^T
@@ -219,6 +229,15 @@ def test_wide_beta_unstable_unless_allowed():
     assert msg and "beta" in msg and "allow unstable" in msg
     allowed = spec_to_ir(SPECS["beta3"] + "allow unstable\n")
     assert allowed.allow_unstable and stability_error(allowed, check(allowed)) is None
+
+
+def test_sign_of_diagonal_decay():
+    _, r = result("neg_diag")  # -|D|^1/2 (I - beta k k^T) |D|^1/2 up to similarity: real, in [-1, 0]
+    assert r["eigenvalues"] == {"min": -1.0, "max": 0.0, "proved": True}
+    assert r["negative_eigenvalues"] and r["stable"] and r["spectral_norm_le_1"] == "proved"
+    m, r = result("mixed_diag")  # mixed signs and a non-normal erase: complex eigenvalues possible
+    assert not r["eigenvalues"]["proved"] and not r["stable"] and not r["negative_eigenvalues"]
+    assert stability_error(m, r) is not None
 
 
 def test_not_unit_key_is_unknown():
