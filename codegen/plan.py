@@ -58,6 +58,7 @@ class Plan:
     chunk_bv: int = 32
     chunk_bkt: int = 32  # key tile of the elementwise pairwise sums
     chunk_warps: int = 4
+    chunk_stages: int = 1  # the state pass is sequential: deep software pipelining only costs shared memory
 
     def key(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]

@@ -11,6 +11,8 @@ EPILOG = """examples:
   lrdsl show examples/gated_deltanet.lr        desugared explicit form and canonical form
   lrdsl check examples/gdn2.lr                 eigenvalues, spectral norm, stability
   lrdsl check examples/gdn2.lr --json          the same as one JSON object
+  lrdsl compile examples/gdn2.lr -o build/     write build/gdn2.py, a standalone torch + triton module
+  lrdsl fuzz examples/gdn2.lr --examples 20    kernels vs the float64 reference on random cases
 """
 
 
@@ -26,6 +28,17 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="prove or disprove facts about the transition's eigenvalues")
     c.add_argument("spec", help="path to a .lr spec file")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    g = sub.add_parser("compile", help="write the generated kernels module (imports only torch and triton)")
+    g.add_argument("spec", help="path to a .lr spec file")
+    g.add_argument("-o", "--output", metavar="DIR", default=".",
+                   help="directory to write <mixer name>.py into (created if missing; default: .)")
+    f = sub.add_parser("fuzz", help="test the kernels against the float64 reference on random cases")
+    f.add_argument("spec", help="path to a .lr spec file")
+    f.add_argument("--examples", type=int, default=50, metavar="N", help="cases to draw (default: 50)")
+    f.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the kernels run (default: cuda when available, else cpu through "
+                        "Triton's interpreter)")
+    f.add_argument("--seed", type=int, default=None, metavar="S", help="make the run reproducible")
     return p
 
 
@@ -58,13 +71,71 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    import os
+    from pathlib import Path
+
+    from .errors import LrdslError
+    from .runtime import generate, write_atomic
+    m = _load(args.spec, check_stability=True)
+    source = generate(m.ir)
+    path = Path(args.output) / f"{m.name}.py"
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise LrdslError(f"cannot write into {args.output}: it is not a directory")
+    try:
+        write_atomic(path, source)
+    except OSError as e:
+        raise LrdslError(f"cannot write {path}: {e.strerror or e}") from None
+    print(path)
+    return 0
+
+
+def _progress_bar(done: int, total: int, shrinking: bool) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    tail = "  failure found, shrinking it" if shrinking else ""
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}")
+    sys.stderr.flush()
+
+
+def cmd_fuzz(args) -> int:
+    import os
+
+    from .errors import LrdslError
+    if args.examples < 1:
+        raise LrdslError(f"--examples must be at least 1, got {args.examples}")
+    device = args.device
+    if device is None:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise LrdslError("triton was imported before TRITON_INTERPRET=1 could be set")
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the kernels module does)
+    from .fuzz import run_fuzz
+    m = _load(args.spec, check_stability=True)
+    try:
+        result = run_fuzz(m, examples=args.examples, device=device, seed=args.seed, progress=_progress_bar)
+    finally:
+        sys.stderr.write("\n")
+    if result.ok:
+        print(result.summary())
+        return 0
+    print(result.summary(), file=sys.stderr)
+    f = result.failure
+    print(f"# shrunk failing case: {f.case}", file=sys.stderr)
+    print(f.snippet)
+    return 1
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help()
         return 2
     try:
-        return {"show": cmd_show, "check": cmd_check}[args.command](args)
+        return {"show": cmd_show, "check": cmd_check, "compile": cmd_compile,
+                "fuzz": cmd_fuzz}[args.command](args)
     except SpecError as e:
         print(str(e), file=sys.stderr)
         ctx = e.context()

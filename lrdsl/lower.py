@@ -98,10 +98,15 @@ def _check_constant(e: sp.Expr, span) -> None:
                                                                 or e.is_extended_real is False):
         raise SpecError(f"this constant is not a finite real number ({e}); check divisions by zero and "
                         "log or sqrt of negative numbers", span)
-    for r in e.atoms(sp.Rational):
-        if max(abs(r.p), r.q).bit_length() > MAX_CONSTANT_BITS:
-            raise SpecError("this constant is too large or too small to represent exactly; lrdsl computes in "
-                            "floating point, so keep constants between about 1e-300 and 1e300", span)
+    big = any(max(abs(r.p), r.q).bit_length() > MAX_CONSTANT_BITS for r in e.atoms(sp.Rational))
+    if e.is_number and not big and not isinstance(e, sp.Rational):
+        try:
+            big = not abs(complex(e)) <= 1e300  # exp(exp(1000)) and the like
+        except (OverflowError, ValueError, TypeError):
+            big = True
+    if big:
+        raise SpecError("this constant is too large or too small to represent; lrdsl computes in floating "
+                        "point, so keep constants between about 1e-300 and 1e300", span)
 
 
 def _join(a: str, b: str, span, what: str) -> str:
@@ -122,7 +127,8 @@ class Lowerer:
     def name_error(self, name: str, span) -> SpecError:
         known = sorted(n for n in self.kinds if n != "h")
         close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else f"; declare it with `input {name}`"
+        valid = not (name in RESERVED or keyword.iskeyword(name) or name.startswith("_")) and NAME_RE.match(name)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; declare it with `input {name}`" if valid else ""
         return SpecError(f"unknown name '{name}'{hint}", span)
 
     # -- expressions
@@ -478,6 +484,11 @@ def _transition(lw: Lowerer, update: Update):
         delta = left if score(left) <= score(right) else right
         if decay.kind != "diagonal":  # a scalar D commutes: one canonical order
             delta = ir.Delta(delta.a, delta.c, "left")
+        # per-head numbers commute too: (I - k (beta k)^T) is (I - (beta k) k^T); keep them in a
+        vec = [lw.symbols[n] for n, k in lw.kinds.items() if k in ("K", "V")]
+        coeff, rest = sp.Mul(delta.c).as_independent(*vec, as_Add=False)
+        if coeff != 1:
+            delta = ir.Delta(sp.factor_terms(delta.a * coeff), rest, delta.order)
     writes = _combine(list(val.writes), lw, span, "write")
     if not writes:
         raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)

@@ -20,7 +20,7 @@ def to_torch(e: sp.Expr):
     if isinstance(e, sp.Symbol):
         name = e.name
         return lambda env: env[name]
-    if e.is_Number:
+    if e.is_number:  # a constant such as 3/2 or log(3/2): evaluate it exactly, not in float32 torch
         val = float(e)
         return lambda env: val
     if isinstance(e, sp.Add):

@@ -395,13 +395,13 @@ def parse(text, filename: str = "<spec>") -> Spec:
 
 def _check_depth(tree) -> None:
     """Transforming and lowering recurse over the tree: refuse a tree too deep for Python's stack."""
-    stack = [(tree, 1)]
+    stack = [(c, 2, c) for c in tree.children if hasattr(c, "children")]  # (node, depth, its statement)
     while stack:
-        node, depth = stack.pop()
+        node, depth, statement = stack.pop()
         if depth > MAX_DEPTH:
             raise SpecError(f"this expression is too long: it nests more than {MAX_DEPTH} levels deep; "
-                            "split it with `let`", _span(node.meta))
-        stack.extend((c, depth + 1) for c in getattr(node, "children", ()) if hasattr(c, "children"))
+                            "split it with `let`", _span(statement.meta))
+        stack.extend((c, depth + 1, statement) for c in node.children if hasattr(c, "children"))
 
 
 def _syntax_error(e: UnexpectedInput, text: str) -> SpecError:

@@ -7,11 +7,13 @@ channel inputs [B, T, HV, V]; states [N, HV, K, V]; with cu_seqlens ([N + 1], in
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import ir
 from .errors import InputError
+
+if TYPE_CHECKING:
+    import torch  # imported lazily: `lrdsl show` and `lrdsl check` need no torch (1 s of start-up)
 
 L2NORM_EPS = 1e-6
 API_KEYWORDS = ("scale", "initial_state", "output_final_state", "cu_seqlens")
@@ -62,6 +64,7 @@ def _layout(inp: ir.Input) -> str:
 
 def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=None,
              output_final_state=False, cu_seqlens=None) -> Batch:
+    import torch
     given = dict(inputs)
     given.update(q=q, k=k, v=v)
     declared = {i.name: i for i in mixer.inputs}
@@ -109,6 +112,8 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (N, HV, K, V):
             got = _shape(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
             raise InputError(f"initial_state must have shape [N, HV, K, V] = [{N}, {HV}, {K}, {V}], got {got}")
+        if not initial_state.is_floating_point():
+            raise InputError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
         if initial_state.device != q.device:
             raise InputError(f"initial_state is on {initial_state.device} but q is on {q.device}")
     if scale is None:
@@ -119,4 +124,5 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
 
 
 def compute_dtype(b: Batch) -> torch.dtype:
+    import torch
     return torch.float64 if b.tensors["q"].dtype == torch.float64 else torch.float32

@@ -1,0 +1,359 @@
+"""Differential fuzzing: the generated kernels against the float64 reference, on random shapes and inputs.
+
+Hypothesis draws a `Case` (sizes, packed sequences, initial state, scale and an input seed); the
+inputs of the mixer are then drawn with `torch.manual_seed(case.seed)` inside the ranges the spec
+declares (log-decays <= 0, `in (lo, hi)` uniform strictly inside an open end, unit vectors of unit
+norm, the rest standard normal). Every implementation the generated module has (`recurrent`, and
+`chunk` when both the Mixer and the module define it) runs in fp32 and is compared with the
+reference run on float64 copies of the same inputs:
+
+    rms(kernel - reference) / rms(reference) < 1e-4   for o and for the final state.
+
+A failing case is shrunk by Hypothesis and rendered as a runnable Python snippet. Each input is
+drawn by one line of Python text (`input_lines`), which is both evaluated here and printed into the
+snippet, so the snippet rebuilds exactly the tensors that failed.
+
+CPU runs go through Triton's interpreter: TRITON_INTERPRET=1 must be set before triton is imported
+(the `lrdsl fuzz` command does it; tests set it in conftest.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .errors import LrdslError
+
+TOL = 1e-4
+IMPLS = ("recurrent", "chunk")
+_INSET = 1e-3  # open interval ends: draw from [lo + 1e-3 w, hi - 1e-3 w]
+
+
+# ---- cases and inputs ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One draw: sizes, packing and options of a call, and the seed its tensors are drawn with."""
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    cu_seqlens: tuple | None = None  # (0, ..., T) with B == 1
+    initial_state: bool = False
+    scale: float | None = None
+    seed: int = 0
+
+    @property
+    def N(self) -> int:
+        return self.B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+    def __post_init__(self):
+        if self.HV % self.H:
+            raise ValueError(f"HV={self.HV} is not a multiple of H={self.H}")
+        if self.cu_seqlens is not None:
+            c = self.cu_seqlens
+            if self.B != 1 or c[0] != 0 or c[-1] != self.T or list(c) != sorted(c):
+                raise ValueError(f"bad cu_seqlens {c} for B={self.B}, T={self.T}")
+
+
+def _num(x) -> str:
+    """A float literal that round-trips (repr), for generated snippet text."""
+    return repr(float(x))
+
+
+def input_line(inp) -> str:
+    """Python text (over torch, F and the sizes B, T, H, HV, K, V) that draws one input in its range."""
+    heads = "H" if inp.shared else "HV"
+    shape = f"B, T, {heads}" if inp.kind == "scalar" else f"B, T, {heads}, {inp.kind}"
+    lo = float(inp.lo) if inp.lo.is_finite else -math.inf
+    hi = float(inp.hi) if inp.hi.is_finite else math.inf
+    if inp.l2norm:  # normalised inside the mixer: any vector
+        return f"torch.randn({shape})"
+    if inp.unit:  # declared unit norm: the caller's duty, so draw unit vectors
+        return f"F.normalize(torch.randn({shape}), dim=-1)"
+    if inp.log:  # log-decay <= 0 (an upper end below 0 shifts it)
+        return f"F.logsigmoid(torch.randn({shape}))" + ("" if hi >= 0 else f" + {_num(hi)}")
+    if math.isfinite(lo) and math.isfinite(hi):
+        w = hi - lo
+        if inp.lo_open or inp.hi_open:
+            a = lo + (_INSET * w if inp.lo_open else 0.0)
+            b = hi - (_INSET * w if inp.hi_open else 0.0)
+            return f"{_num(a)} + {_num(b - a)} * torch.rand({shape})"
+        return f"{_num(lo)} + {_num(w)} * torch.rand({shape})"
+    if math.isfinite(lo):
+        return f"{_num(lo + (_INSET if inp.lo_open else 0.0))} + torch.randn({shape}).abs()"
+    if math.isfinite(hi):
+        return f"{_num(hi - (_INSET if inp.hi_open else 0.0))} - torch.randn({shape}).abs()"
+    return f"torch.randn({shape})"  # unbounded
+
+
+def input_lines(mixer) -> list:
+    """(name, text) for every input, in the order they are drawn (the spec's input order)."""
+    return [(i.name, input_line(i)) for i in mixer.ir.inputs]
+
+
+def draw_inputs(mixer, case: Case, device="cpu") -> tuple:
+    """(inputs {name: fp32 tensor}, options {scale, initial_state, cu_seqlens, output_final_state}).
+
+    Drawn on the CPU with torch.manual_seed(case.seed) (so a case is the same on any device), then
+    moved to `device`.
+    """
+    env = {"torch": torch, "F": F, "B": case.B, "T": case.T, "H": case.H, "HV": case.HV,
+           "K": case.K, "V": case.V, "N": case.N}
+    gen_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(case.seed)
+        x = {}
+        for name, text in input_lines(mixer):
+            # the text is built above from validated identifiers and float literals only
+            x[name] = eval(text, env).to(torch.float32)  # noqa: S307
+        h0 = torch.randn(case.N, case.HV, case.K, case.V) if case.initial_state else None
+    finally:
+        torch.random.set_rng_state(gen_state)
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int64)
+    x = {n: t.to(device) for n, t in x.items()}
+    opts = dict(scale=case.scale, initial_state=None if h0 is None else h0.to(device),
+                cu_seqlens=None if cu is None else cu.to(device), output_final_state=True)
+    return x, opts
+
+
+def rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    """rms(a - b) / rms(b) in float64 (0 when both are exactly zero; nan when a has nan)."""
+    a = a.detach().to("cpu", torch.float64)
+    b = b.detach().to("cpu", torch.float64)
+    num = (a - b).pow(2).mean().sqrt().item() if a.numel() else 0.0
+    den = b.pow(2).mean().sqrt().item() if b.numel() else 0.0
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+# ---- one case --------------------------------------------------------------------------------
+def implementations(mixer) -> tuple:
+    """The kernels to test: recurrent, plus chunk when the Mixer and the generated module have it."""
+    impls = ["recurrent"]
+    if hasattr(mixer, "chunk") and hasattr(mixer.kernels, "chunk"):
+        impls.append("chunk")
+    return tuple(impls)
+
+
+@dataclass
+class Outcome:
+    case: Case
+    errors: dict = field(default_factory=dict)  # impl -> (rms ratio of o, of the final state)
+    impl: str = ""  # the first failing implementation ("" when all pass)
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.impl
+
+
+def reference(mixer, case: Case):
+    """The float64 reference on the CPU for a case: (o, final state)."""
+    x, opts = draw_inputs(mixer, case, "cpu")
+    x64 = {n: t.double() for n, t in x.items()}
+    if opts["initial_state"] is not None:
+        opts["initial_state"] = opts["initial_state"].double()
+    return mixer.reference(**x64, **opts)
+
+
+def check_case(mixer, case: Case, device="cpu", impls=None, tol: float = TOL) -> Outcome:
+    """Run every implementation on a case and compare with the reference. Never raises for a
+    kernel's failure: an exception becomes a failing Outcome with its message."""
+    out = Outcome(case)
+    impls = implementations(mixer) if impls is None else impls
+    ref_o, ref_s = reference(mixer, case)
+    for impl in impls:
+        try:
+            x, opts = draw_inputs(mixer, case, device)
+            o, s = getattr(mixer, impl)(**x, **opts)
+        except Exception as e:  # a kernel that does not run is a failure of this case
+            out.impl, out.message = impl, f"{impl} raised {type(e).__name__}: {e}"
+            return out
+        if tuple(o.shape) != tuple(ref_o.shape) or s is None or tuple(s.shape) != tuple(ref_s.shape):
+            got = "None" if s is None else list(s.shape)
+            out.impl, out.message = impl, (f"{impl}: o {list(o.shape)} and state {got}, expected "
+                                           f"{list(ref_o.shape)} and {list(ref_s.shape)}")
+            return out
+        e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
+        out.errors[impl] = (e_o, e_s)
+        if not (e_o < tol and e_s < tol):  # nan fails too
+            out.impl = impl
+            out.message = f"{impl}: rms ratio o {e_o:.3g}, final state {e_s:.3g} (tolerance {tol:g})"
+            return out
+    return out
+
+
+# ---- the snippet -----------------------------------------------------------------------------
+def snippet(mixer, case: Case, impl: str = "recurrent", device: str = "cpu", tol: float = TOL) -> str:
+    """A standalone Python script that rebuilds a case, runs `impl` and the reference, compares."""
+    filename = getattr(mixer, "filename", "<spec>")
+    if filename != "<spec>" and os.path.isfile(filename):
+        load = f"mixer = lrdsl.compile({os.path.abspath(filename)!r})"
+    else:
+        load = f"mixer = lrdsl.compile(text={mixer.source!r})"
+    lines = [f"# lrdsl fuzz: a failing case of {mixer.name} ({impl} vs the float64 reference)"]
+    if device == "cpu":
+        lines += ["import os", "", "os.environ[\"TRITON_INTERPRET\"] = \"1\"  # CPU: Triton's interpreter; "
+                  "set before triton is imported"]
+    lines += ["import torch", "import torch.nn.functional as F", "", "import lrdsl", "",
+              load, f"device = {device!r}",
+              f"B, T, H, HV, K, V = {case.B}, {case.T}, {case.H}, {case.HV}, {case.K}, {case.V}",
+              f"N = {case.N}", f"torch.manual_seed({case.seed})", "x = {}"]
+    lines += [f"x[{name!r}] = {text}" for name, text in input_lines(mixer)]
+    lines.append(f"initial_state = {'torch.randn(N, HV, K, V)' if case.initial_state else 'None'}")
+    cu = "None" if case.cu_seqlens is None else f"torch.tensor({list(case.cu_seqlens)}, dtype=torch.int64)"
+    lines += [f"cu_seqlens = {cu}",
+              f"opts = dict(scale={case.scale!r}, cu_seqlens=cu_seqlens, output_final_state=True)",
+              "",
+              "",
+              "def rms_ratio(a, b):",
+              "    a, b = a.detach().cpu().double(), b.detach().cpu().double()",
+              "    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()",
+              "",
+              "",
+              "h0_64 = None if initial_state is None else initial_state.double()",
+              "ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=h0_64, "
+              "**opts)",
+              "x_dev = {n: t.to(device) for n, t in x.items()}",
+              "h0_dev = None if initial_state is None else initial_state.to(device)",
+              "cu_dev = None if cu_seqlens is None else cu_seqlens.to(device)",
+              f"o, s = mixer.{impl}(**x_dev, initial_state=h0_dev, **dict(opts, cu_seqlens=cu_dev))",
+              "err_o, err_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)",
+              "print(f\"rms ratio: o {err_o:.3g}, final state {err_s:.3g}\")",
+              f"assert err_o < {tol!r} and err_s < {tol!r}, (err_o, err_s)",
+              ""]
+    return "\n".join(lines)
+
+
+# ---- the Hypothesis driver -------------------------------------------------------------------
+def cases(max_T: int = 70, min_KV: int = 16, max_KV: int = 32):
+    """Hypothesis strategy of Cases: B 1-2, T 1-max_T, H 1-2, HV = H or 2H, K and V in
+    [min_KV, max_KV], packed sequences (cu_seqlens, empty ones included) on or off, initial state
+    on or off, the default scale or a random one, and an input seed."""
+    from hypothesis import strategies as st
+
+    size = st.one_of(st.sampled_from(sorted({min_KV, 20, max_KV} & set(range(min_KV, max_KV + 1)))),
+                     st.integers(min_KV, max_KV))
+
+    @st.composite
+    def draw_case(draw):
+        varlen = draw(st.booleans())
+        B = 1 if varlen else draw(st.integers(1, 2))
+        T = draw(st.integers(1, max_T))
+        cu = None
+        if varlen:
+            cuts = draw(st.lists(st.integers(0, T), max_size=3))
+            cu = (0, *sorted(cuts), T)
+        H = draw(st.integers(1, 2))
+        HV = H * draw(st.sampled_from((1, 2)))
+        K, V = draw(size), draw(size)
+        init = draw(st.booleans())
+        scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0, allow_nan=False, allow_infinity=False)))
+        seed = draw(st.integers(0, 2**31 - 1))
+        return Case(B, T, H, HV, K, V, cu, init, scale, seed)
+
+    return draw_case()
+
+
+@dataclass
+class Failure:
+    case: Case
+    impl: str
+    message: str
+    snippet: str
+
+
+@dataclass
+class FuzzResult:
+    mixer: str
+    device: str
+    impls: tuple
+    examples: int  # cases drawn and checked before the first failure (all of them on success)
+    runs: int  # calls in all, shrinking included
+    seconds: float
+    worst: dict  # impl -> (worst o ratio, worst state ratio) over passing runs
+    failure: Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def summary(self) -> str:
+        worst = "; ".join(f"{i} worst rms ratio o {o:.2g}, state {s:.2g}" for i, (o, s) in self.worst.items())
+        if self.ok:
+            return (f"fuzz {self.mixer}: {self.examples} examples passed on {self.device} "
+                    f"({', '.join(self.impls)} vs float64 reference, tolerance {TOL:g}) in "
+                    f"{self.seconds:.1f}s; {worst}")
+        return (f"fuzz {self.mixer}: FAILED on {self.device} after {self.examples} examples "
+                f"({self.runs} runs with shrinking): {self.failure.message}")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | None = None,
+             progress=None, strategy=None) -> FuzzResult:
+    """Check `examples` Hypothesis-drawn cases; shrink the first failure and render its snippet.
+
+    progress(done, total, shrinking) is called after every run. With a seed the run is
+    reproducible (Hypothesis seeded and derandomized).
+    """
+    try:
+        from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+        from hypothesis import seed as hseed
+    except ImportError:
+        raise LrdslError("fuzzing needs hypothesis: pip install hypothesis") from None
+    device = device or default_device()
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise LrdslError("fuzzing on the CPU runs Triton's interpreter: set TRITON_INTERPRET=1 before "
+                         "triton is imported")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LrdslError("--device cuda: torch sees no CUDA device")
+    if examples < 1:
+        raise LrdslError(f"the number of examples must be at least 1, got {examples}")
+    impls = implementations(mixer)
+    st_cases = strategy if strategy is not None else cases()
+    state = {"runs": 0, "passed": 0, "last": None}
+    worst = {i: (0.0, 0.0) for i in impls}
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is not None,
+              verbosity=Verbosity.quiet, phases=(Phase.generate, Phase.shrink),
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @given(st_cases)
+    def prop(case):
+        out = check_case(mixer, case, device, impls)
+        state["runs"] += 1
+        if out.ok:
+            if state["last"] is None:
+                state["passed"] += 1
+            for i, (e_o, e_s) in out.errors.items():
+                worst[i] = (max(worst[i][0], e_o), max(worst[i][1], e_s))
+        else:
+            state["last"] = out
+        if progress is not None:
+            progress(state["passed"], examples, state["last"] is not None)
+        if not out.ok:
+            raise AssertionError(out.message)  # one raise site: Hypothesis sees one bug
+
+    if seed is not None:
+        prop = hseed(seed)(prop)
+    start = time.perf_counter()
+    try:
+        prop()
+    except Exception:
+        if state["last"] is None:
+            raise
+    seconds = time.perf_counter() - start
+    failure = None
+    if state["last"] is not None:  # Hypothesis replays the shrunk case last
+        last = state["last"]
+        failure = Failure(last.case, last.impl, last.message, snippet(mixer, last.case, last.impl, device))
+    return FuzzResult(mixer.name, device, impls, state["passed"], state["runs"], seconds, worst, failure)

@@ -1,0 +1,11 @@
+"""Test set-up: kernels run in Triton's interpreter on CPU unless LRDSL_TEST_DEVICE=cuda.
+
+TRITON_INTERPRET must be set before triton is first imported, hence at conftest import time.
+Generated modules go to a per-session cache directory so tests never see a stale user cache.
+"""
+import os
+import tempfile
+
+if os.environ.get("LRDSL_TEST_DEVICE", "cpu") != "cuda":
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("LRDSL_CACHE_DIR", tempfile.mkdtemp(prefix="lrdsl-test-cache-"))
