@@ -355,7 +355,7 @@ def lower(spec: Spec) -> ir.Mixer:
             if kind not in ("K", "V"):
                 raise SpecError(f"an auxiliary state is indexed by K or V, not '{kind}'", kspan)
             lw.declare(st.name, kind, st.span, "state name")
-            aux.append(_aux(lw, st, kind))
+            aux.append(_aux(lw, st, kind, lets))
         elif isinstance(st, Let):
             val = lw.expr(st.expr)
             if not isinstance(val, Val):
@@ -427,8 +427,10 @@ def _input(lw: Lowerer, d) -> ir.Input:
                     "log" in attrs, lo, hi, lo_open, hi_open, d.span)
 
 
-def _aux(lw: Lowerer, st: StateDecl, kind: str) -> ir.Aux:
+def _aux(lw: Lowerer, st: StateDecl, kind: str, lets) -> ir.Aux:
     val = lw.expr(st.expr)
+    for lt in reversed(lets):  # inline lets: a state then depends only on inputs and earlier states
+        val = Val(val.kind, val.expr.xreplace({ir.symbol(lt.name): lt.expr})) if isinstance(val, Val) else val
     p = lw.symbols[st.name]
     if not isinstance(val, Val) or val.kind not in (kind, "scalar"):
         raise SpecError(f"state {st.name}[{kind}] must be updated by a [{kind}] vector expression, "
