@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from functools import cached_property
 
+import torch
+
 from . import ir, printer
 from .errors import SpecError
 from .frontend import spec_to_ir
@@ -63,6 +65,12 @@ class Mixer:
               cu_seqlens=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference."""
         batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        tensors = [batch.tensors[i.name] for i in self.ir.inputs]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors + [initial_state]
+                                           if t is not None):
+            from .autograd import ChunkFunction
+            names = tuple(i.name for i in self.ir.inputs)
+            return ChunkFunction.apply(self.ir, self.kernels, batch, names, initial_state, *tensors)
         return self.kernels.chunk(q, k, v, scale=batch.scale, initial_state=initial_state,
                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                   **inputs)

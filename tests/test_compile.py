@@ -1,0 +1,305 @@
+"""`lrdsl compile` and the module cache: standalone modules, determinism, no spec text in generated
+code, refused names, and the on-disk cache under concurrent writers."""
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import lrdsl
+from lrdsl import cli, runtime
+from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.lr"))
+IDS = [p.stem for p in EXAMPLES]
+
+
+def run_cli(*argv) -> tuple:
+    """lrdsl's main() in-process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LRDSL_", "PYTHON", "TRITON_"))}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def compiled_dir(tmp_path_factory):
+    """Every example compiled by `lrdsl compile -o DIR`: {stem: (mixer, path)}."""
+    out = tmp_path_factory.mktemp("compiled")
+    result = {}
+    for spec in EXAMPLES:
+        rc, stdout, stderr = run_cli("compile", spec, "-o", out)
+        assert rc == 0, stderr
+        mixer = lrdsl.compile(spec)
+        path = out / f"{mixer.name}.py"
+        assert stdout.strip() == str(path)
+        result[spec.stem] = (mixer, path)
+    return result
+
+
+# ---- the written module runs alone ----------------------------------------------------------
+RUNNER = textwrap.dedent('''
+    import ast, importlib, importlib.abc, sys
+    import torch
+
+    class Block(importlib.abc.MetaPathFinder):  # lrdsl is installed in this venv: make sure it is unused
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("lrdsl", "jinja2", "lark"):
+                raise ImportError(f"a generated module imported {name}")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    cases = torch.load(sys.argv[1])
+    results = {}
+    for stem, (module, x, opts) in cases.items():
+        mod = importlib.import_module(module)
+        o, s = mod.recurrent(**x, **opts)
+        results[stem] = (o, s)
+    bad = sorted(m for m in sys.modules if m.split(".")[0] in ("lrdsl", "jinja2", "lark", "sympy"))
+    torch.save({"results": results, "loaded": bad}, sys.argv[2])
+''')
+
+ALONE_CASE = Case(B=1, T=19, H=1, HV=2, K=20, V=12, initial_state=True, scale=0.5, seed=7)
+
+
+@pytest.fixture(scope="module")
+def standalone_results(compiled_dir, tmp_path_factory):
+    """Run every compiled module's recurrent(...) in one fresh interpreter that sees only the output
+    directory, torch and triton (cwd: an empty temporary directory)."""
+    work = tmp_path_factory.mktemp("standalone")
+    cases, refs = {}, {}
+    for stem, (mixer, path) in compiled_dir.items():
+        x, opts = draw_inputs(mixer, ALONE_CASE)
+        cases[stem] = (path.stem, x, opts)
+        refs[stem] = mixer.reference(**{n: t.double() for n, t in x.items()},
+                                     **dict(opts, initial_state=opts["initial_state"].double()))
+    torch.save(cases, work / "inputs.pt")
+    (work / "runner.py").write_text(RUNNER)
+    out_dir = next(iter(compiled_dir.values()))[1].parent
+    env = clean_env(PYTHONPATH=str(out_dir), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(work / "runner.py"), "inputs.pt", "outputs.pt"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = torch.load(work / "outputs.pt")
+    return saved, refs
+
+
+@pytest.mark.parametrize("stem", IDS)
+def test_compiled_module_runs_alone(stem, compiled_dir, standalone_results):
+    saved, refs = standalone_results
+    assert saved["loaded"] == [], f"the standalone run loaded {saved['loaded']}"
+    o, s = saved["results"][stem]
+    ref_o, ref_s = refs[stem]
+    e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
+    assert e_o < TOL and e_s < TOL, f"{stem}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
+
+
+@pytest.mark.parametrize("stem", IDS)
+def test_compiled_module_imports_only_torch_and_triton(stem, compiled_dir):
+    _, path = compiled_dir[stem]
+    tree = ast.parse(path.read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import in a generated module"
+            roots.add(node.module.split(".")[0])
+    assert roots <= {"torch", "triton", "math"}, roots
+
+
+# ---- determinism -----------------------------------------------------------------------------
+def test_same_spec_same_bytes(compiled_dir, tmp_path):
+    """Compile again in this process and in two fresh processes with different hash seeds."""
+    again = tmp_path / "again"
+    for stem, (mixer, path) in compiled_dir.items():
+        rc, _, err = run_cli("compile", ROOT / "examples" / f"{stem}.lr", "-o", again)
+        assert rc == 0, err
+        assert (again / path.name).read_bytes() == path.read_bytes(), stem
+    script = "import sys; from lrdsl.cli import main; sys.exit(max(main(['compile', p, '-o', sys.argv[1]]) " \
+             "for p in sys.argv[2:]))"
+    for seed in ("1", "2"):
+        out = tmp_path / f"seed{seed}"
+        proc = subprocess.run([sys.executable, "-c", script, str(out), *map(str, EXAMPLES)], cwd=tmp_path,
+                              env=clean_env(PYTHONHASHSEED=seed), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for stem, (mixer, path) in compiled_dir.items():
+            assert (out / path.name).read_bytes() == path.read_bytes(), f"{stem} (PYTHONHASHSEED={seed})"
+
+
+def test_generated_source_matches_runtime_generate(compiled_dir):
+    for stem, (mixer, path) in compiled_dir.items():
+        assert path.read_text() == runtime.generate(mixer.ir)
+        compile(path.read_text(), str(path), "exec")
+
+
+# ---- errors of the command -------------------------------------------------------------------
+def test_compile_errors_are_one_line(tmp_path):
+    spec = EXAMPLES[0]
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    bad_spec = tmp_path / "bad.lr"
+    bad_spec.write_text("mixer bad\ndecay scalar g\ngain scalar beta in (0, 3)\nnormalize q, k\n")
+    syntax = tmp_path / "syntax.lr"
+    syntax.write_text("mixer syntax\ndecay scalar g\ngain scalar beta in (0, 1\n")
+    cases = [(spec, afile), (spec, afile / "sub"), (tmp_path / "missing.lr", tmp_path),
+             (bad_spec, tmp_path), (syntax, tmp_path)]
+    for src, out in cases:
+        rc, stdout, stderr = run_cli("compile", src, "-o", out)
+        assert rc == 1 and stdout == "", (src, out, stdout)
+        first = stderr.splitlines()[0]
+        assert "error" in first and "Traceback" not in stderr, stderr
+    assert afile.read_text() == ""  # nothing was written over the file
+
+
+def test_compile_cli_subprocess_error_exit_code(tmp_path):
+    afile = tmp_path / "f"
+    afile.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "compile", str(EXAMPLES[0]), "-o", str(afile)],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+# ---- nothing from the spec but validated names reaches generated code ------------------------
+PAYLOADS = ['"); import os', "__import__('os').system('echo pwned')", "'''", '"""', "\\", "lambda: 0"]
+
+
+def test_spec_comments_do_not_reach_generated_source():
+    text = "".join(f"# {p}\n" for p in PAYLOADS)
+    text += ("mixer injected   # \"); import os\n"
+             "decay scalar g   # __import__('os')\n"
+             "gain scalar beta in (0, 1)  # '''\n"
+             "precond diagonal atk(g_atk, beta_atk, x = 1.5, center = -0.2)   # \"\"\"\n"
+             "normalize q, k   # \\\n")
+    source = runtime.generate(lrdsl.compile(text=text).ir)
+    for p in PAYLOADS:
+        assert p not in source, p
+    assert "pwned" not in source and "import os" not in source
+    compile(source, "injected.py", "exec")
+
+
+BAD_NAMES = [
+    # mixer names
+    "mixer __init__\ndecay none\ngain none\n",
+    "mixer lambda\ndecay none\ngain none\n",
+    "mixer class\ndecay none\ngain none\n",
+    'mixer x"y\ndecay none\ngain none\n',
+    "mixer x'); import os; ('\ndecay none\ngain none\n",
+    "mixer _hidden\ndecay none\ngain none\n",
+    # axis-form inputs
+    "mixer ok\ndecay scalar lambda\ngain none\n",
+    "mixer ok\ndecay scalar class\ngain none\n",
+    "mixer ok\ndecay scalar __g\ngain none\n",
+    "mixer ok\ndecay scalar __class__\ngain none\n",
+    'mixer ok\ndecay scalar g"\ngain none\n',
+    "mixer ok\ndecay scalar g\\\nimport os\ngain none\n",
+    "mixer ok\ngain scalar def in (0, 1)\n",
+    "mixer ok\ngain channelwise b, return\n",
+    "mixer ok\ndecay none\ngain none\nprecond diagonal atk(import, beta_atk)\n",
+    "mixer ok\ndecay none\ngain none\nprecond diagonal atk(g_atk, __builtins__)\n",
+    # explicit-form inputs, states, lets
+    "mixer ok\ninput q[K], k[K], v[V], None log\nS = exp(None) S + k v^T\no = S^T q\n",
+    "mixer ok\ninput q[K], k[K], v[V], True log\nS = exp(True) S + k v^T\no = S^T q\n",
+    "mixer ok\ninput q[K], k[K], v[V], yield log\nS = exp(yield) S + k v^T\no = S^T q\n",
+    "mixer ok\ninput q[K], k[K], v[V], g log\nstate class[K] = exp(g) * class + k\nS = S + k v^T\no = S^T q\n",
+    "mixer ok\ninput q[K], k[K], v[V], g log\nlet await = exp(g)\nS = await S + k v^T\no = S^T q\n",
+    "mixer ok\ninput q[K], k[K], v[V], \u0123 log\nS = exp(\u0123) S + k v^T\no = S^T q\n",
+    "mixer ok\ninput q[K], k[K], v[V], g\nlog\nS = exp(g) S + k v^T\no = S^T q\n",
+]
+
+
+@pytest.mark.parametrize("text", BAD_NAMES, ids=range(len(BAD_NAMES)))
+def test_injecting_names_are_refused(text):
+    with pytest.raises(lrdsl.SpecError):
+        lrdsl.compile(text=text)
+
+
+def test_refused_name_error_is_one_line_in_cli(tmp_path):
+    spec = tmp_path / "lam.lr"
+    spec.write_text("mixer ok\ndecay scalar lambda\ngain none\n")
+    rc, stdout, stderr = run_cli("compile", spec, "-o", tmp_path)
+    assert rc == 1 and "reserved" in stderr.splitlines()[0] and not list(tmp_path.glob("*.py"))
+
+
+# ---- the cache -------------------------------------------------------------------------------
+def test_load_twice_reuses_the_cached_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("LRDSL_CACHE_DIR", str(tmp_path / "cache"))
+    text = (ROOT / "examples" / "gla.lr").read_text().replace("mixer gla", "mixer gla_cache_probe")
+    first = lrdsl.compile(text=text).kernels
+    path = Path(first.__file__)
+    assert path.parent == tmp_path / "cache"
+    before = path.stat()
+    time.sleep(0.01)
+    second = lrdsl.compile(text=text).kernels  # a new Mixer, same spec
+    assert second is first
+    sys.modules.pop(first.__name__)  # force a fresh import: the file is found, not rewritten
+    try:
+        third = runtime.load(lrdsl.compile(text=text).ir)
+    finally:
+        sys.modules[first.__name__] = first
+    after = path.stat()
+    assert third is not first and Path(third.__file__) == path
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+WRITER = textwrap.dedent('''
+    import sys, time
+    from pathlib import Path
+    import lrdsl
+    from lrdsl import runtime
+    start_at, spec = float(sys.argv[1]), sys.argv[2]
+    m = lrdsl.compile(spec)
+    source = runtime.generate(m.ir)
+    while time.time() < start_at:
+        time.sleep(0.001)
+    mod = runtime.load(m.ir)  # the real path: generate, write if absent, import
+    path = Path(mod.__file__)
+    for i in range(40):  # then hammer the same file, reading it back between writes
+        runtime.write_atomic(path, source)
+        text = path.read_text()
+        assert text == source, f"partial file seen after {i} writes"
+        compile(text, str(path), "exec")
+    assert callable(mod.recurrent)
+    print(path)
+''')
+
+
+def test_concurrent_writers_leave_a_whole_module(tmp_path):
+    cache = tmp_path / "shared-cache"
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    env = clean_env(LRDSL_CACHE_DIR=str(cache), TRITON_INTERPRET="1")
+    start_at = time.time() + 6.0  # after every process has imported torch and compiled the spec
+    procs = [subprocess.Popen([sys.executable, str(script), str(start_at), str(ROOT / "examples" / "kda.lr")],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0, stderr[-3000:]
+    paths = {stdout.strip() for stdout, _ in outs}
+    assert len(paths) == 1
+    path = Path(paths.pop())
+    files = sorted(cache.iterdir())
+    assert files == [path], f"left over: {files}"  # no temporary files
+    text = path.read_text()
+    compile(text, str(path), "exec")
+    assert text == runtime.generate(lrdsl.compile(ROOT / "examples" / "kda.lr").ir)
