@@ -4,10 +4,8 @@ from __future__ import annotations
 import os
 from functools import cached_property
 
-import torch
-
 from . import ir, printer
-from .errors import SpecError
+from .errors import InputError, SpecError
 from .frontend import spec_to_ir
 from .tensors import validate
 
@@ -15,8 +13,13 @@ from .tensors import validate
 class Mixer:
     """A compiled spec. `reference` is the exact token loop; `check` the eigenvalue facts."""
 
-    def __init__(self, mixer_ir: ir.Mixer, source: str = "", filename: str = "<spec>"):
+    def __init__(self, mixer_ir: ir.Mixer, source: str = "", filename: str = "<spec>",
+                 keep_intermediates: bool = False):
         self.ir = mixer_ir
+        # the chunked backward recomputes the forward's intermediates unless asked to keep them
+        self.keep_intermediates = keep_intermediates
+        self._kernels = None
+        self._op = None
         self.source = source
         self.filename = filename
 
@@ -47,16 +50,33 @@ class Mixer:
         import copy
         return copy.deepcopy(self._facts)
 
-    @cached_property
+    @property
     def kernels(self):
         """The generated module (kernels and host wrappers), loaded from the on-disk cache."""
-        from .runtime import load
-        return load(self.ir)
+        if self._kernels is None:  # not a cached_property: its lock breaks torch.compile graphs
+            from .runtime import load
+            self._kernels = load(self.ir)
+        return self._kernels
+
+    @property
+    def chunk_op(self):
+        """The chunked kernels as one torch.library op (forward, backward, fake implementation)."""
+        if self._op is None:
+            from .autograd import chunk_op
+            self._op = chunk_op(self.ir, self.kernels, self.kernels.__name__.rsplit("_", 1)[-1])
+        return self._op
 
     def recurrent(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):
-        """The fused recurrent (token by token) kernel; same signature and results as reference."""
+        """The fused recurrent (token by token) kernel; same signature and results as reference.
+        Forward only: it is the decode path; train through `chunk`."""
+        import torch
         batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in [*batch.tensors.values(), initial_state]):
+            raise InputError("mixer.recurrent is forward-only (the decode path): call it under "
+                             "torch.no_grad() or on tensors without requires_grad, and train "
+                             "through mixer.chunk, which has the chunked backward")
         return self.kernels.recurrent(q, k, v, scale=batch.scale, initial_state=initial_state,
                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                       **inputs)
@@ -65,15 +85,14 @@ class Mixer:
               cu_seqlens=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference."""
         batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        from . import autograd
         tensors = [batch.tensors[i.name] for i in self.ir.inputs]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors + [initial_state]
-                                           if t is not None):
-            from .autograd import ChunkFunction
+        if self.keep_intermediates:
             names = tuple(i.name for i in self.ir.inputs)
-            return ChunkFunction.apply(self.ir, self.kernels, batch, names, initial_state, *tensors)
-        return self.kernels.chunk(q, k, v, scale=batch.scale, initial_state=initial_state,
-                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                  **inputs)
+            return autograd.KeptChunkFunction.apply(self.ir, self.kernels, batch, names, initial_state,
+                                                    *tensors)
+        o, ht = self.chunk_op(tensors, initial_state, batch.scale, cu_seqlens, bool(output_final_state))
+        return o, (ht if output_final_state else None)
 
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):
@@ -84,8 +103,12 @@ class Mixer:
 
 
 def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None = None,
-            check_stability: bool = True) -> Mixer:
-    """Parse, lower and check a spec. Raises SpecError (with line and column) for any mistake."""
+            check_stability: bool = True, keep_intermediates: bool = False,
+            load_kernels: bool = True) -> Mixer:
+    """Parse, lower and check a spec, then generate and load its kernels (when triton is
+    installed). Raises SpecError (with line and column) for any mistake in the spec.
+
+    Loading here, not at the first call, keeps code generation out of torch.compile's tracing."""
     if (path is None) == (text is None):
         raise TypeError("lrdsl.compile takes a path or text=..., not both")
     filename = "<spec>"
@@ -100,10 +123,14 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
     m = spec_to_ir(text, filename)
     if isinstance(text, bytes):
         source = text.decode("utf-8")  # spec_to_ir succeeded, so it is UTF-8
-    mixer = Mixer(m, source, filename)
+    mixer = Mixer(m, source, filename, keep_intermediates)
     if check_stability:
         from .checker import stability_error
         msg = stability_error(m, mixer._facts)
         if msg:
             raise SpecError(msg, m.update_span, source, filename)
+    if load_kernels:
+        import importlib.util
+        if importlib.util.find_spec("triton") is not None:
+            mixer.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
     return mixer

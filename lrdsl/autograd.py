@@ -6,8 +6,6 @@ state. The chain rule from those vectors to the spec's inputs (elementwise, plus
 scans and in-mixer L2 norms) runs through PyTorch autograd on the same expressions the reference
 evaluates, so every expression a spec can write is differentiated the same way.
 """
-from __future__ import annotations
-
 import sympy as sp
 import torch
 
@@ -56,42 +54,138 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
     return out
 
 
-class ChunkFunction(torch.autograd.Function):
+def _batch_like(batch: Batch, tensors: dict) -> Batch:
+    return Batch(tensors, batch.B, batch.T, batch.H, batch.HV, batch.K, batch.V, batch.scale, None,
+                 False, batch.cu_seqlens)
+
+
+def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved=None):
+    """Gradients of every input (None where not needed) and of h0, for the chunked kernels."""
+    inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
+    cu = batch.cu_seqlens.to(torch.int64).contiguous() if batch.cu_seqlens is not None else None
+    if do is None:
+        do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
+    vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved)
+    # torch.func.vjp rather than torch.autograd.grad: it also runs inside the custom op, where
+    # the autograd dispatch key is switched off
+    wanted = [i for i, need in enumerate(needs) if need]
+    present = sorted(vgrads)
+
+    def vectors(*xs):
+        live = list(tensors)
+        for i, x in zip(wanted, xs):
+            live[i] = x
+        vecs = token_vectors(mixer_ir, _batch_like(batch, dict(zip(names, live))), torch.float32)
+        return tuple(vecs[k] for k in present)
+
+    found = [None] * len(tensors)
+    if wanted:
+        _, pullback = torch.func.vjp(vectors, *[tensors[i].detach() for i in wanted])
+        for i, g in zip(wanted, pullback(tuple(vgrads[k] for k in present))):
+            found[i] = g.to(tensors[i].dtype)
+    grads = found
+    return grads, dh0
+
+
+class KeptChunkFunction(torch.autograd.Function):
+    """Eager path that keeps the forward's intermediates for the backward (more memory, less time)."""
+
     @staticmethod
     def forward(ctx, mixer_ir, module, batch, names, h0, *tensors):
         inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
         cu = batch.cu_seqlens.to(torch.int64).contiguous() if batch.cu_seqlens is not None else None
         h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
-        o, ht = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu)
-        ctx.save_for_backward(h0c if h0c is not None else torch.empty(0), *tensors)
-        ctx.info = (mixer_ir, module, batch, names, h0 is not None, cu)
+        o, ht, saved = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, keep=True)
+        ctx.save_for_backward(*tensors)
+        ctx.info = (mixer_ir, module, batch, names, h0c, saved, None if h0 is None else h0.dtype)
         ctx.set_materialize_grads(False)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        mixer_ir, module, batch, names, has_h0, cu = ctx.info
-        h0, *tensors = ctx.saved_tensors
-        h0 = h0 if has_h0 else None
+        mixer_ir, module, batch, names, h0, saved, h0_dtype = ctx.info
+        grads, dh0 = input_grads(mixer_ir, module, batch, names, ctx.saved_tensors, h0, do, dht,
+                                 ctx.needs_input_grad[5:], saved)
+        dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[4] else None
+        return (None, None, None, None, dh0, *grads)
+
+
+_OPS = {}
+
+
+def chunk_op(mixer_ir, module, key: str):
+    """The chunked kernels as a torch.library custom op with a fake (meta) implementation and an
+    autograd formula, so torch.compile sees one opaque op and no graph break. One op per module."""
+    if key in _OPS:
+        return _OPS[key]
+    names = tuple(i.name for i in mixer_ir.inputs)
+    kinds = {i.name: i for i in mixer_ir.inputs}
+    lib = f"lrdsl::{mixer_ir.name}_{key}"
+
+    def sizes(tensors, cu_seqlens):
+        q, v = tensors[names.index("q")], tensors[names.index("v")]
+        B, T, H, K = q.shape
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return B, T, H, v.shape[2], K, v.shape[3], N
+
+    def batch_of(tensors, scale, cu_seqlens, output_final_state):
+        B, T, H, HV, K, V, _ = sizes(tensors, cu_seqlens)
+        return Batch(dict(zip(names, tensors)), B, T, H, HV, K, V, scale, None, output_final_state,
+                     cu_seqlens)
+
+    @torch.library.custom_op(lib + "_fwd", mutates_args=())
+    def fwd(tensors: list[torch.Tensor], h0: torch.Tensor | None, scale: float,
+            cu_seqlens: torch.Tensor | None, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
+        cu = cu_seqlens.to(torch.int64).contiguous() if cu_seqlens is not None else None
+        h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
+        o, ht = module.chunk_fwd(inputs, scale, h0c, output_final_state, cu)
+        return o, (ht if ht is not None else o.new_empty(0, dtype=torch.float32))
+
+    @fwd.register_fake
+    def _(tensors, h0, scale, cu_seqlens, output_final_state):
+        B, T, H, HV, K, V, N = sizes(tensors, cu_seqlens)
+        v = tensors[names.index("v")]
+        o = v.new_empty(B, T, HV, V)
+        ht = v.new_empty((N, HV, K, V) if output_final_state else (0,), dtype=torch.float32)
+        return o, ht
+
+    @torch.library.custom_op(lib + "_bwd", mutates_args=())
+    def bwd(tensors: list[torch.Tensor], h0: torch.Tensor | None, scale: float,
+            cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None,
+            needs: list[bool]) -> list[torch.Tensor]:
+        batch = batch_of(tensors, scale, cu_seqlens, False)
+        h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
+        grads, dh0 = input_grads(mixer_ir, module, batch, names, tensors, h0c, do, dht, needs)
+        out = [g if g is not None else t.new_empty(0) for g, t in zip(grads, tensors)]
+        return out + [dh0.to(h0.dtype) if dh0 is not None else do.new_empty(0)]
+
+    @bwd.register_fake
+    def _(tensors, h0, scale, cu_seqlens, do, dht, needs):
+        out = [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip(tensors, needs)]
+        return out + [torch.empty_like(h0) if h0 is not None else do.new_empty(0)]
+
+    def setup_context(ctx, inputs, output):
+        tensors, h0, scale, cu_seqlens, output_final_state = inputs
+        ctx.save_for_backward(*tensors, *( [h0] if h0 is not None else []))
+        ctx.meta = (len(tensors), h0 is not None, scale, cu_seqlens, output_final_state)
+
+    def backward(ctx, do, dht):
+        n, has_h0, scale, cu_seqlens, output_final_state = ctx.meta
+        saved = ctx.saved_tensors
+        tensors, h0 = list(saved[:n]), (saved[n] if has_h0 else None)
+        needs = [t.requires_grad for t in tensors]
         if do is None:
-            do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
-        vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu)
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[5:])]
-            live = dict(zip(names, leaves))
-            b2 = Batch(live, batch.B, batch.T, batch.H, batch.HV, batch.K, batch.V, batch.scale, None,
-                       False, batch.cu_seqlens)
-            vecs = token_vectors(mixer_ir, b2, torch.float32)
-            wanted = [l for l in leaves if l.requires_grad]
-            pairs = [(vecs[k], g) for k, g in vgrads.items() if vecs[k].requires_grad]
-            grads = iter(torch.autograd.grad([p for p, _ in pairs], wanted, [g for _, g in pairs],
-                                             allow_unused=True) if wanted and pairs else [])
-        out = []
-        for leaf in leaves:
-            g = next(grads) if leaf.requires_grad else None
-            if leaf.requires_grad and g is None:
-                g = torch.zeros_like(leaf)
-            out.append(None if g is None else g.to(leaf.dtype))
-        dh0 = dh0.to(ctx.saved_tensors[0].dtype) if (dh0 is not None and ctx.needs_input_grad[4]) else None
-        return (None, None, None, None, dh0, *out)
+            do = torch.zeros_like(fwd_out_like(tensors))
+        dht = dht if (output_final_state and dht is not None and dht.numel()) else None
+        res = bwd(tensors, h0, scale, cu_seqlens, do, dht, needs)
+        grads = [g if need else None for g, need in zip(res[:n], needs)]
+        return grads, (res[n] if has_h0 else None), None, None, None
+
+    def fwd_out_like(tensors):
+        B, T, H, HV, K, V, N = sizes(tensors, None)
+        return tensors[names.index("v")].new_empty(B, T, HV, V)
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+    _OPS[key] = fwd
+    return fwd

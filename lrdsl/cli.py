@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(path: str, check_stability: bool):
     from .api import compile
-    return compile(path, check_stability=check_stability)
+    return compile(path, check_stability=check_stability, load_kernels=False)
 
 
 def cmd_show(args) -> int:
