@@ -179,21 +179,25 @@ def test_compile_cli_subprocess_error_exit_code(tmp_path):
 
 
 # ---- nothing from the spec but validated names reaches generated code ------------------------
-PAYLOADS = ['"); import os', "__import__('os').system('echo pwned')", "'''", '"""', "\\", "lambda: 0"]
+PAYLOADS = ['"); import os; os.system("zz_payload_1")', "__import__('os').system('zz_payload_2')",
+            "'''zz_payload_3'''", '"""zz_payload_4"""', "\\ zz_payload_5", "lambda: zz_payload_6"]
 
 
-def test_spec_comments_do_not_reach_generated_source():
+def test_spec_comments_do_not_reach_generated_source(tmp_path):
     text = "".join(f"# {p}\n" for p in PAYLOADS)
-    text += ("mixer injected   # \"); import os\n"
-             "decay scalar g   # __import__('os')\n"
-             "gain scalar beta in (0, 1)  # '''\n"
-             "precond diagonal atk(g_atk, beta_atk, x = 1.5, center = -0.2)   # \"\"\"\n"
-             "normalize q, k   # \\\n")
+    text += ("mixer injected   # \"); import os  zz_payload_7\n"
+             "decay scalar g   # __import__('os') zz_payload_8\n"
+             "gain scalar beta in (0, 1)  # ''' zz_payload_9\n"
+             "precond diagonal atk(g_atk, beta_atk, x = 1.5, center = -0.2)   # \"\"\" zz_payload_10\n"
+             "normalize q, k   # \\ zz_payload_11\n")
     source = runtime.generate(lrdsl.compile(text=text).ir)
-    for p in PAYLOADS:
-        assert p not in source, p
-    assert "pwned" not in source and "import os" not in source
+    assert "zz_payload" not in source and "import os" not in source and "__import__" not in source
     compile(source, "injected.py", "exec")
+    spec = tmp_path / "injected.lr"
+    spec.write_text(text)
+    rc, _, err = run_cli("compile", spec, "-o", tmp_path)
+    assert rc == 0, err
+    assert (tmp_path / "injected.py").read_text() == source
 
 
 BAD_NAMES = [

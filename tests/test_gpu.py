@@ -44,7 +44,7 @@ def draw(mixer, B, T, H, HV, K, V, dtype, device, gen):
 def table():
     yield
     print("\nGPU results (rms ratio vs float64 reference, bf16 inputs, B=2 T=2048 H=4 K=V=128)")
-    print(f"{'mixer':28s} {'path':10s} {'o':>10s} {'state':>10s}")
+    print(f"{'mixer':28s} {'path':10s} {'o | dqkv':>10s} {'S | dgate':>10s}")
     for name, path, eo, es in RESULTS:
         print(f"{name:28s} {path:10s} {eo:10.2e} {es:10.2e}")
 
@@ -64,3 +64,33 @@ def test_forward_bf16(path):
         eo, es = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
         RESULTS.append((mixer.name, which, eo, es))
         assert eo < 5e-3 and es < 5e-3, (which, eo, es)
+
+
+GATE_TOL, QKV_TOL = 2e-2, 8e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: os.path.basename(p)[:-3])
+def test_backward_bf16(path):
+    B, T, H, HV, K, V = 2, 2048, 4, 4, 128, 128
+    mixer = lrdsl.compile(path)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = draw(mixer, B, T, H, HV, K, V, torch.bfloat16, "cuda", gen)
+    h0 = torch.randn(B, HV, K, V, generator=gen, device="cuda")
+    do = torch.randn(B, T, HV, V, generator=gen, device="cuda")
+    dht = torch.randn(B, HV, K, V, generator=gen, device="cuda")
+
+    def grads(fn, dtype):
+        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+        h = h0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+        o, s = fn(**leaves, initial_state=h, output_final_state=True)
+        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
+        return {**{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
+
+    ref = grads(mixer.reference, torch.float64)
+    got = grads(mixer.chunk, torch.bfloat16)
+    errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
+    RESULTS.append((mixer.name, "chunk bwd", max(errs[n] for n in ("q", "k", "v")),
+                    max([errs[n] for n in errs if n not in ("q", "k", "v", "h0")] or [0.0])))
+    for n, e in errs.items():
+        assert e < (QKV_TOL if n in ("q", "k", "v", "h0") else GATE_TOL), (n, e)
