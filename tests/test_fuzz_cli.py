@@ -34,7 +34,7 @@ def test_rms_ratio():
     assert rms_ratio(b, b) == 0.0
     assert rms_ratio(torch.zeros(2), torch.zeros(2)) == 0.0
     assert rms_ratio(torch.ones(2), torch.zeros(2)) == math.inf
-    assert math.isclose(rms_ratio(b * 1.1, b), 0.1, rel_tol=1e-9)
+    assert math.isclose(rms_ratio(b.double() * 1.1, b.double()), 0.1, rel_tol=1e-9)
     assert math.isnan(rms_ratio(torch.tensor([math.nan, 4.0]), b))
 
 
