@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the kernels run (default: cuda when available, else cpu through "
                         "Triton's interpreter)")
     f.add_argument("--seed", type=int, default=None, metavar="S", help="make the run reproducible")
+    f.add_argument("--tol", type=float, default=1e-4, metavar="R",
+                   help="largest rms(kernel - reference) / rms(reference) for o and the final state "
+                        "(default: 1e-4; GPU tf32 dots may need about 1e-2)")
     return p
 
 
@@ -90,12 +93,22 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def _progress_bar(done: int, total: int, shrinking: bool) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    tail = "  failure found, shrinking it" if shrinking else ""
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}")
-    sys.stderr.flush()
+class _ProgressBar:
+    """`[#####.....] 12/50` on stderr, redrawn in place."""
+
+    def __init__(self, width: int = 30):
+        self.width, self.drawn = width, False
+
+    def __call__(self, done: int, total: int, shrinking: bool) -> None:
+        filled = self.width * done // max(total, 1)
+        tail = "  failure found, shrinking it" if shrinking else ""
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}{tail}")
+        sys.stderr.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
 
 
 def cmd_fuzz(args) -> int:
@@ -104,9 +117,13 @@ def cmd_fuzz(args) -> int:
     from .errors import LrdslError
     if args.examples < 1:
         raise LrdslError(f"--examples must be at least 1, got {args.examples}")
+    if not args.tol > 0:
+        raise LrdslError(f"--tol must be positive, got {args.tol}")
     device = args.device
-    if device is None:
+    if device != "cpu":
         import torch
+        if device == "cuda" and not torch.cuda.is_available():
+            raise LrdslError("--device cuda: torch sees no CUDA device")
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
@@ -114,17 +131,18 @@ def cmd_fuzz(args) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the kernels module does)
     from .fuzz import run_fuzz
     m = _load(args.spec, check_stability=True)
+    bar = _ProgressBar()
     try:
-        result = run_fuzz(m, examples=args.examples, device=device, seed=args.seed, progress=_progress_bar)
+        result = run_fuzz(m, examples=args.examples, device=device, seed=args.seed, progress=bar,
+                          tol=args.tol)
     finally:
-        sys.stderr.write("\n")
+        bar.close()
     if result.ok:
         print(result.summary())
         return 0
     print(result.summary(), file=sys.stderr)
-    f = result.failure
-    print(f"# shrunk failing case: {f.case}", file=sys.stderr)
-    print(f.snippet)
+    print(f"# shrunk failing case: {result.failure.case}; the snippet below reproduces it", file=sys.stderr)
+    print(result.failure.snippet)
     return 1
 
 

@@ -280,6 +280,7 @@ class FuzzResult:
     seconds: float
     worst: dict  # impl -> (worst o ratio, worst state ratio) over passing runs
     failure: Failure | None = None
+    tol: float = TOL
 
     @property
     def ok(self) -> bool:
@@ -289,7 +290,7 @@ class FuzzResult:
         worst = "; ".join(f"{i} worst rms ratio o {o:.2g}, state {s:.2g}" for i, (o, s) in self.worst.items())
         if self.ok:
             return (f"fuzz {self.mixer}: {self.examples} examples passed on {self.device} "
-                    f"({', '.join(self.impls)} vs float64 reference, tolerance {TOL:g}) in "
+                    f"({', '.join(self.impls)} vs float64 reference, tolerance {self.tol:g}) in "
                     f"{self.seconds:.1f}s; {worst}")
         return (f"fuzz {self.mixer}: FAILED on {self.device} after {self.examples} examples "
                 f"({self.runs} runs with shrinking): {self.failure.message}")
@@ -300,7 +301,7 @@ def default_device() -> str:
 
 
 def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | None = None,
-             progress=None, strategy=None) -> FuzzResult:
+             progress=None, strategy=None, tol: float = TOL) -> FuzzResult:
     """Check `examples` Hypothesis-drawn cases; shrink the first failure and render its snippet.
 
     progress(done, total, shrinking) is called after every run. With a seed the run is
@@ -329,7 +330,7 @@ def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | N
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(st_cases)
     def prop(case):
-        out = check_case(mixer, case, device, impls)
+        out = check_case(mixer, case, device, impls, tol)
         state["runs"] += 1
         if out.ok:
             if state["last"] is None:
@@ -355,5 +356,5 @@ def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | N
     failure = None
     if state["last"] is not None:  # Hypothesis replays the shrunk case last
         last = state["last"]
-        failure = Failure(last.case, last.impl, last.message, snippet(mixer, last.case, last.impl, device))
-    return FuzzResult(mixer.name, device, impls, state["passed"], state["runs"], seconds, worst, failure)
+        failure = Failure(last.case, last.impl, last.message, snippet(mixer, last.case, last.impl, device, tol))
+    return FuzzResult(mixer.name, device, impls, state["passed"], state["runs"], seconds, worst, failure, tol)

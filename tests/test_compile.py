@@ -270,10 +270,12 @@ WRITER = textwrap.dedent('''
     from pathlib import Path
     import lrdsl
     from lrdsl import runtime
-    start_at, spec = float(sys.argv[1]), sys.argv[2]
+    barrier, me, n, spec = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     m = lrdsl.compile(spec)
     source = runtime.generate(m.ir)
-    while time.time() < start_at:
+    (barrier / me).touch()  # start together once every writer has imported torch and compiled the spec
+    deadline = time.time() + 120
+    while len(list(barrier.iterdir())) < n and time.time() < deadline:
         time.sleep(0.001)
     mod = runtime.load(m.ir)  # the real path: generate, write if absent, import
     path = Path(mod.__file__)
@@ -292,10 +294,12 @@ def test_concurrent_writers_leave_a_whole_module(tmp_path):
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
     env = clean_env(LRDSL_CACHE_DIR=str(cache), TRITON_INTERPRET="1")
-    start_at = time.time() + 6.0  # after every process has imported torch and compiled the spec
-    procs = [subprocess.Popen([sys.executable, str(script), str(start_at), str(ROOT / "examples" / "kda.lr")],
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [subprocess.Popen([sys.executable, str(script), str(barrier), f"w{i}", "4",
+                               str(ROOT / "examples" / "kda.lr")],
                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]
+             for i in range(4)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (stdout, stderr) in zip(procs, outs):
         assert p.returncode == 0, stderr[-3000:]
