@@ -67,7 +67,8 @@ def cmd_check(args) -> int:
     if args.json:
         print(json.dumps(facts, indent=2, sort_keys=True))
     else:
-        print(f"mixer {m.name}: M = {m.canonical().splitlines()[1].split('M = ')[-1].split(',')[0]}")
+        from .printer import transition
+        print(f"mixer {m.name}: M_t = {transition(m.ir)}")
         print(explain(facts), end="")
     if msg:
         raise SpecError(msg, m.ir.update_span, m.source, m.filename)

@@ -74,7 +74,8 @@ def transition(m: ir.Mixer) -> str:
     elif d.kind == "identity":
         dtext = ""
     else:
-        dtext = _vec(d.value) if not isinstance(d.value, sp.Symbol) else expr(d.value)
+        atomic = isinstance(d.value, (sp.Symbol, sp.Function)) or d.value.is_Number
+        dtext = expr(d.value) if atomic else _vec(d.value)
     if m.delta is None:
         return dtext or "I"
     erase = f"(I - {_vec(m.delta.a)} {_vec(m.delta.c)}^T)"
