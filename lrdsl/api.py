@@ -81,6 +81,23 @@ class Mixer:
                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                       **inputs)
 
+    def step(self, q, k, v, state, scale=None, **inputs):
+        """Decode: run the recurrent kernel over the given tokens and update `state` in place.
+
+        state is the float32 [B, HV, K, V] state (contiguous); returns o [B, T, HV, V]. Each program
+        reads its tile of the state before it writes it back, so no copy is made."""
+        import torch
+        batch = validate(self.ir, q, k, v, inputs, scale, state, True, None)
+        if state.dtype != torch.float32 or not state.is_contiguous():
+            raise InputError("step() updates the state in place: it must be a contiguous float32 tensor "
+                             f"[B, HV, K, V], got {state.dtype}" + ("" if state.is_contiguous() else
+                                                                    ", not contiguous"))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in [*batch.tensors.values(), state]):
+            raise InputError("step() is the decode path and is forward-only; call it under torch.no_grad()")
+        tensors = {n: t.contiguous() for n, t in batch.tensors.items()}
+        o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state)
+        return o
+
     def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference."""
