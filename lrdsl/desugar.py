@@ -9,7 +9,7 @@ from fractions import Fraction
 
 from .errors import SpecError
 from .syntax import (Allow, AxisDecay, AxisGain, AxisNormalize, AxisPrecond, AxisSolve, BinOp, Call, Decl,
-                     Inputs, Let, Num, Range, Readout, Spec, StateDecl, Transpose, Update, Var)
+                     Inputs, Let, Neg, Num, Range, Readout, Spec, StateDecl, Transpose, Update, Var)
 
 AXES = (AxisDecay, AxisGain, AxisPrecond, AxisSolve, AxisNormalize)
 EXPLICIT = (Inputs, StateDecl, Let, Update, Readout)
@@ -150,7 +150,7 @@ def desugar(spec: Spec) -> Spec:
 def _const(node, what: str) -> Fraction:
     if isinstance(node, Num):
         return node.value
-    if isinstance(node, Call) is False and hasattr(node, "x") and isinstance(node.x, Num):  # Neg(Num)
+    if isinstance(node, Neg) and isinstance(node.x, Num):
         return -node.x.value
     raise SpecError(f"{what} must be a number", getattr(node, "span", None))
 
