@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--tol", type=float, default=1e-4, metavar="R",
                    help="largest rms(kernel - reference) / rms(reference) for o and the final state "
                         "(default: 1e-4; GPU tf32 dots may need about 1e-2)")
+    f.add_argument("--grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="also compare the chunked kernels' gradients of every input and of the "
+                        "initial state with float64 autograd through the reference (rms ratio < tol "
+                        "for q, k, v, h0, < 10 tol for the other inputs; recurrent is forward-only "
+                        "and not differentiated); default: on")
     return p
 
 
@@ -135,7 +140,7 @@ def cmd_fuzz(args) -> int:
     bar = _ProgressBar()
     try:
         result = run_fuzz(m, examples=args.examples, device=device, seed=args.seed, progress=bar,
-                          tol=args.tol)
+                          tol=args.tol, grad=args.grad)
     finally:
         bar.close()
     if result.ok:

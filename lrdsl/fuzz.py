@@ -9,6 +9,17 @@ reference run on float64 copies of the same inputs:
 
     rms(kernel - reference) / rms(reference) < 1e-4   for o and for the final state.
 
+With gradients on (the default of `run_fuzz` and `lrdsl fuzz`; `--no-grad` turns them off), the
+chunked kernels (the only differentiable ones: `recurrent` is forward-only) are also
+differentiated for loss = (o * do).sum() + (S * dS).sum(), with random do and dS drawn with
+`torch.manual_seed(case.seed + 1)`, and every input's gradient and the initial state's is compared
+with float64 autograd through the reference:
+
+    rms ratio < tol (1e-4) for q, k, v and the initial state;  < 10 tol (1e-3) for the other inputs.
+
+A gradient that is exactly zero in float64 (e.g. a decay that only multiplies a zero state) is
+compared absolutely instead: rms(kernel gradient) / (largest rms of dq, dk, dv in float64).
+
 A failing case is shrunk by Hypothesis and rendered as a runnable Python snippet. Each input is
 drawn by one line of Python text (`input_lines`), which is both evaluated here and printed into the
 snippet, so the snippet rebuilds exactly the tensors that failed.
@@ -29,6 +40,8 @@ import torch.nn.functional as F
 from .errors import LrdslError
 
 TOL = 1e-4
+GATE_GRAD_FACTOR = 10  # gradients of inputs other than q, k, v and the initial state: 10 x tol
+_QKVH = ("q", "k", "v", "initial_state")
 IMPLS = ("recurrent", "chunk")
 _INSET = 1e-3  # open interval ends: draw from [lo + 1e-3 w, hi - 1e-3 w]
 
@@ -148,6 +161,8 @@ class Outcome:
     errors: dict = field(default_factory=dict)  # impl -> (rms ratio of o, of the final state)
     impl: str = ""  # the first failing implementation ("" when all pass)
     message: str = ""
+    grad_errors: dict = field(default_factory=dict)  # input name -> rms ratio of its chunk gradient
+    grad_failed: bool = False  # the failure is in the gradients (the forward passed)
 
     @property
     def ok(self) -> bool:
@@ -163,9 +178,74 @@ def reference(mixer, case: Case):
     return mixer.reference(**x64, **opts)
 
 
-def check_case(mixer, case: Case, device="cpu", impls=None, tol: float = TOL) -> Outcome:
-    """Run every implementation on a case and compare with the reference. Never raises for a
-    kernel's failure: an exception becomes a failing Outcome with its message."""
+def grad_tol(name: str, tol: float = TOL) -> float:
+    """The tolerance of one input's gradient: tol for q, k, v and the initial state, 10 tol else."""
+    return tol if name in _QKVH else GATE_GRAD_FACTOR * tol
+
+
+def draw_upstream(case: Case, device="cpu") -> tuple:
+    """(do [B, T, HV, V], dS [N, HV, K, V]): standard normal, drawn with manual_seed(case.seed + 1)."""
+    gen_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(case.seed + 1)
+        do = torch.randn(case.B, case.T, case.HV, case.V)
+        dS = torch.randn(case.N, case.HV, case.K, case.V)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return do.to(device), dS.to(device)
+
+
+def _gradients(fn, x, h0, opts, do, dS, dtype, device) -> dict:
+    """{name: gradient} of (o * do).sum() + (S * dS).sum() through fn, for every input and h0."""
+    leaves = {n: t.detach().to(device, dtype).requires_grad_() for n, t in x.items()}
+    if h0 is not None:
+        leaves["initial_state"] = h0.detach().to(device, dtype).requires_grad_()
+    cu = opts["cu_seqlens"]
+    o, s = fn(**leaves, scale=opts["scale"], cu_seqlens=None if cu is None else cu.to(device),
+              output_final_state=True)
+    loss = (o * do.to(device, dtype)).sum() + (s * dS.to(device, dtype)).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return dict(zip(leaves, grads))
+
+
+def check_grads(mixer, case: Case, device="cpu", tol: float = TOL) -> tuple:
+    """Chunk gradients against float64 autograd through the reference: ({name: ratio}, message);
+    the message is "" when every gradient is within its tolerance."""
+    x, opts = draw_inputs(mixer, case, "cpu")
+    h0 = opts["initial_state"]
+    do, dS = draw_upstream(case, "cpu")
+    ref = _gradients(mixer.reference, x, h0, opts, do, dS, torch.float64, "cpu")
+    got = _gradients(mixer.chunk, x, h0, opts, do, dS, torch.float32, device)
+    scale = max(_rms(ref[n]) for n in ("q", "k", "v"))
+    errors, bad = {}, []
+    for name, g in ref.items():
+        c = got[name]
+        if c is None or tuple(c.shape) != tuple(g.shape):
+            errors[name] = math.inf
+            bad.append(f"d{name}: " + ("no gradient" if c is None else f"shape {list(c.shape)}, "
+                                       f"expected {list(g.shape)}"))
+            continue
+        if _rms(g) == 0.0 and scale > 0.0:  # an exact zero in float64: compare absolutely
+            errors[name] = _rms(c) / scale
+        else:
+            errors[name] = rms_ratio(c, g)
+        if not errors[name] < grad_tol(name, tol):  # nan fails too
+            bad.append(f"d{name} {errors[name]:.3g} (tolerance {grad_tol(name, tol):g})")
+    message = ""
+    if bad:
+        message = "chunk gradients: rms ratio " + ", ".join(bad)
+    return errors, message
+
+
+def _rms(t) -> float:
+    t = t.detach().to("cpu", torch.float64)
+    return t.pow(2).mean().sqrt().item() if t.numel() else 0.0
+
+
+def check_case(mixer, case: Case, device="cpu", impls=None, tol: float = TOL, grad: bool = False) -> Outcome:
+    """Run every implementation on a case and compare with the reference; with grad, also the
+    chunked kernels' gradients (when chunk is among impls). Never raises for a kernel's failure:
+    an exception becomes a failing Outcome with its message."""
     out = Outcome(case)
     impls = implementations(mixer) if impls is None else impls
     ref_o, ref_s = reference(mixer, case)
@@ -187,12 +267,21 @@ def check_case(mixer, case: Case, device="cpu", impls=None, tol: float = TOL) ->
             out.impl = impl
             out.message = f"{impl}: rms ratio o {e_o:.3g}, final state {e_s:.3g} (tolerance {tol:g})"
             return out
+    if grad and "chunk" in impls:
+        try:
+            out.grad_errors, message = check_grads(mixer, case, device, tol)
+        except Exception as e:  # a backward that does not run is a failure of this case
+            out.grad_errors, message = {}, f"chunk backward raised {type(e).__name__}: {e}"
+        if message:
+            out.impl, out.message, out.grad_failed = "chunk", message, True
     return out
 
 
 # ---- the snippet -----------------------------------------------------------------------------
-def snippet(mixer, case: Case, impl: str = "recurrent", device: str = "cpu", tol: float = TOL) -> str:
-    """A standalone Python script that rebuilds a case, runs `impl` and the reference, compares."""
+def snippet(mixer, case: Case, impl: str = "recurrent", device: str = "cpu", tol: float = TOL,
+            grad: bool = False) -> str:
+    """A standalone Python script that rebuilds a case, runs `impl` and the reference, compares;
+    with grad (impl chunk), then the gradients of every input and of the initial state too."""
     filename = getattr(mixer, "filename", "<spec>")
     if filename != "<spec>" and os.path.isfile(filename):
         load = f"mixer = lrdsl.compile({os.path.abspath(filename)!r})"
@@ -229,6 +318,39 @@ def snippet(mixer, case: Case, impl: str = "recurrent", device: str = "cpu", tol
               "print(f\"rms ratio: o {err_o:.3g}, final state {err_s:.3g}\")",
               f"assert err_o < {tol!r} and err_s < {tol!r}, (err_o, err_s)",
               ""]
+    if grad:
+        lines += ["# gradients of loss = (o * do).sum() + (S * dS).sum(): the kernels (fp32) vs float64 "
+                  "autograd through the reference",
+                  f"torch.manual_seed({case.seed + 1})",
+                  "do, dS = torch.randn(B, T, HV, V), torch.randn(N, HV, K, V)",
+                  "",
+                  "",
+                  "def grads(fn, dtype, dev):",
+                  "    leaves = {n: t.to(dev, dtype).requires_grad_() for n, t in x.items()}",
+                  "    if initial_state is not None:",
+                  "        leaves['initial_state'] = initial_state.to(dev, dtype).requires_grad_()",
+                  "    cu = None if cu_seqlens is None else cu_seqlens.to(dev)",
+                  "    o, s = fn(**leaves, **dict(opts, cu_seqlens=cu))",
+                  "    loss = (o * do.to(dev, dtype)).sum() + (s * dS.to(dev, dtype)).sum()",
+                  "    found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)",
+                  "    return dict(zip(leaves, found))",
+                  "",
+                  "",
+                  "ref = grads(mixer.reference, torch.float64, 'cpu')",
+                  f"got = grads(mixer.{impl}, torch.float32, device)",
+                  "scale = max(ref[n].pow(2).mean().sqrt().item() for n in ('q', 'k', 'v'))",
+                  "bad = []",
+                  "for n, g in ref.items():",
+                  "    assert got[n] is not None, f'no gradient for {n}'",
+                  "    zero = g.pow(2).mean().sqrt().item() == 0.0  # an exact zero: compare absolutely",
+                  "    err = got[n].double().cpu().pow(2).mean().sqrt().item() / scale if zero else "
+                  "rms_ratio(got[n], g)",
+                  f"    tol = {tol!r} if n in {_QKVH!r} else {GATE_GRAD_FACTOR * tol!r}",
+                  "    print(f'd{n}: rms ratio {err:.3g} (tolerance {tol:g})')",
+                  "    if not err < tol:",
+                  "        bad.append(n)",
+                  "assert not bad, f'gradients off: {bad}'",
+                  ""]
     return "\n".join(lines)
 
 
@@ -281,6 +403,8 @@ class FuzzResult:
     worst: dict  # impl -> (worst o ratio, worst state ratio) over passing runs
     failure: Failure | None = None
     tol: float = TOL
+    grad: bool = False  # chunk gradients were checked too
+    worst_grad: dict = field(default_factory=dict)  # input name -> worst gradient ratio over passing runs
 
     @property
     def ok(self) -> bool:
@@ -288,9 +412,16 @@ class FuzzResult:
 
     def summary(self) -> str:
         worst = "; ".join(f"{i} worst rms ratio o {o:.2g}, state {s:.2g}" for i, (o, s) in self.worst.items())
+        if self.grad and self.worst_grad:
+            qkvh = max((e for n, e in self.worst_grad.items() if n in _QKVH), default=0.0)
+            gates = [e for n, e in self.worst_grad.items() if n not in _QKVH]
+            worst += f"; chunk gradients worst rms ratio q, k, v, h0 {qkvh:.2g}"
+            if gates:
+                worst += f", other inputs {max(gates):.2g} (tolerance {GATE_GRAD_FACTOR * self.tol:g})"
         if self.ok:
+            checked = ", ".join(self.impls) + (" and chunk gradients" if self.grad else "")
             return (f"fuzz {self.mixer}: {self.examples} examples passed on {self.device} "
-                    f"({', '.join(self.impls)} vs float64 reference, tolerance {self.tol:g}) in "
+                    f"({checked} vs float64 reference, tolerance {self.tol:g}) in "
                     f"{self.seconds:.1f}s; {worst}")
         return (f"fuzz {self.mixer}: FAILED on {self.device} after {self.examples} examples "
                 f"({self.runs} runs with shrinking): {self.failure.message}")
@@ -301,8 +432,9 @@ def default_device() -> str:
 
 
 def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | None = None,
-             progress=None, strategy=None, tol: float = TOL) -> FuzzResult:
+             progress=None, strategy=None, tol: float = TOL, grad: bool = True) -> FuzzResult:
     """Check `examples` Hypothesis-drawn cases; shrink the first failure and render its snippet.
+    With grad (the default), the chunked kernels' gradients are checked too (see the module doc).
 
     progress(done, total, shrinking) is called after every run. With a seed the run is
     reproducible (Hypothesis seeded and derandomized).
@@ -324,19 +456,23 @@ def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | N
     st_cases = strategy if strategy is not None else cases()
     state = {"runs": 0, "passed": 0, "last": None}
     worst = {i: (0.0, 0.0) for i in impls}
+    grad = bool(grad and "chunk" in impls)
+    worst_grad = {}
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is not None,
               verbosity=Verbosity.quiet, phases=(Phase.generate, Phase.shrink),
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(st_cases)
     def prop(case):
-        out = check_case(mixer, case, device, impls, tol)
+        out = check_case(mixer, case, device, impls, tol, grad)
         state["runs"] += 1
         if out.ok:
             if state["last"] is None:
                 state["passed"] += 1
             for i, (e_o, e_s) in out.errors.items():
                 worst[i] = (max(worst[i][0], e_o), max(worst[i][1], e_s))
+            for n, e in out.grad_errors.items():
+                worst_grad[n] = max(worst_grad.get(n, 0.0), e)
         else:
             state["last"] = out
         if progress is not None:
@@ -356,5 +492,7 @@ def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | N
     failure = None
     if state["last"] is not None:  # Hypothesis replays the shrunk case last
         last = state["last"]
-        failure = Failure(last.case, last.impl, last.message, snippet(mixer, last.case, last.impl, device, tol))
-    return FuzzResult(mixer.name, device, impls, state["passed"], state["runs"], seconds, worst, failure, tol)
+        failure = Failure(last.case, last.impl, last.message,
+                          snippet(mixer, last.case, last.impl, device, tol, last.grad_failed))
+    return FuzzResult(mixer.name, device, impls, state["passed"], state["runs"], seconds, worst, failure, tol,
+                      grad, worst_grad)

@@ -94,3 +94,35 @@ def test_backward_bf16(path):
                     max([errs[n] for n in errs if n not in ("q", "k", "v", "h0")] or [0.0])))
     for n, e in errs.items():
         assert e < (QKV_TOL if n in ("q", "k", "v", "h0") else GATE_TOL), (n, e)
+
+
+EDGE = [("deltanet", 256, 256, torch.bfloat16), ("gla", 256, 256, torch.bfloat16),
+        ("precond_kda", 100, 100, torch.float16), ("gdn2", 64, 200, torch.float32)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name,K,V,dtype", EDGE, ids=[f"{n}-K{k}-V{v}" for n, k, v, _ in EDGE])
+def test_edge_sizes(name, K, V, dtype):
+    """K and V up to 256 and not powers of two, T not a multiple of the chunk, varlen, fp16/fp32."""
+    path = next(p for p in EXAMPLES if os.path.basename(p) == name + ".lr")
+    mixer = lrdsl.compile(path)
+    T, H = 300, 2
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = draw(mixer, 1, T, H, H, K, V, dtype, "cuda", gen)
+    cu = torch.tensor([0, 1, 130, 300], device="cuda")
+    h0 = torch.randn(3, H, K, V, generator=gen, device="cuda")
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ref_leaves = {n: t.double().requires_grad_() for n, t in x.items()}
+    do = torch.randn(1, T, H, V, generator=gen, device="cuda")
+    ref_o, ref_s = mixer.reference(**ref_leaves, initial_state=h0.double(), output_final_state=True,
+                                   cu_seqlens=cu)
+    (ref_o * do.double()).sum().backward()
+    o, s = mixer.chunk(**leaves, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    (o.double() * do.double()).sum().backward()
+    with torch.no_grad():
+        o2, s2 = mixer.recurrent(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s), "o rec": rms_ratio(o2, ref_o),
+            **{"d" + n: rms_ratio(leaves[n].grad, ref_leaves[n].grad) for n in x}}
+    RESULTS.append((f"{name} K{K} V{V}", str(dtype)[6:], errs["o"], max(errs.values())))
+    for n, e in errs.items():
+        assert e < (5e-3 if n in ("o", "S", "o rec") else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL), (n, e)

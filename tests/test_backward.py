@@ -1,0 +1,382 @@
+"""The chunked backward against float64 autograd through the reference scan.
+
+For each case the same fp32 inputs (drawn inside the ranges the spec declares by lrdsl.fuzz) go
+through `mixer.chunk`, and float64 copies through `mixer.reference`; both are differentiated for
+
+    loss = (o * do).sum() + (S * dS).sum()        (random do and dS; the dS term when S is returned)
+
+with respect to q, k, v, every other input of the spec and the initial state. Tolerances, as
+rms(chunk - reference) / rms(reference):
+
+    < 1e-4  for dq, dk, dv and dh0;      < 1e-3  for the gradients of the other (gate) inputs.
+
+Also here: keep_intermediates=True gives the recompute path's gradients; torch.compile
+(aot_eager, fullgraph) of a loss through mixer.chunk; mixer.recurrent is forward-only.
+(gradcheck of the reference itself lives in tests/test_reference.py.)
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import lrdsl
+from lrdsl.fuzz import Case, draw_inputs, rms_ratio
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.lr"))
+DEVICE = "cuda" if os.environ.get("LRDSL_TEST_DEVICE") == "cuda" else "cpu"
+TOL_QKV = 1e-4  # dq, dk, dv, dh0
+TOL_GATE = 1e-3  # every other input
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def rms(t):
+    return t.detach().to("cpu", torch.float64).pow(2).mean().sqrt().item() if t.numel() else 0.0
+
+
+def upstream(o_shape, s_shape, seed):
+    """Random upstream gradients for o and the final state (never zero), from their own seed."""
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(o_shape, generator=g)
+    dS = torch.randn(s_shape, generator=g) if s_shape is not None else None
+    return do, dS
+
+
+def gradients(fn, x, h0, opts, do, dS, dtype):
+    """(o, S, {name: grad}) of (o*do).sum() + (S*dS).sum() through fn, for every input and h0."""
+    leaves = {n: t.detach().to(DEVICE if dtype == torch.float32 else "cpu", dtype).requires_grad_()
+              for n, t in x.items()}
+    if h0 is not None:
+        leaves["initial_state"] = h0.detach().to(DEVICE if dtype == torch.float32 else "cpu",
+                                                 dtype).requires_grad_()
+    dev = next(iter(leaves.values())).device
+    o, S = fn(**leaves, **opts)
+    loss = (o * do.to(dev, dtype)).sum()
+    if dS is not None:
+        assert S is not None, "output_final_state=True but no final state came back"
+        loss = loss + (S * dS.to(dev, dtype)).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()))  # raises if an input is unused
+    return o, S, dict(zip(leaves, grads))
+
+
+def tolerance(name):
+    return TOL_QKV if name in ("q", "k", "v", "initial_state") else TOL_GATE
+
+
+def compare(mixer, case: Case, output_final_state=True, seed=0):
+    """Chunk (fp32) vs float64 reference gradients for a case: (errors {name: ratio}, failures)."""
+    x, opts = draw_inputs(mixer, case, "cpu")
+    h0 = opts.pop("initial_state")
+    opts["output_final_state"] = output_final_state
+    o_shape = (case.B, case.T, case.HV, case.V)
+    s_shape = (case.N, case.HV, case.K, case.V) if output_final_state else None
+    do, dS = upstream(o_shape, s_shape, seed)
+    ref_o, ref_S, ref = gradients(mixer.reference, x, h0, dict(opts), do, dS, torch.float64)
+    dev_opts = dict(opts, cu_seqlens=None if opts["cu_seqlens"] is None else opts["cu_seqlens"].to(DEVICE))
+    o, S, got = gradients(mixer.chunk, x, h0, dev_opts, do, dS, torch.float32)
+    errors = {"o": rms_ratio(o, ref_o)}
+    if output_final_state:
+        errors["S"] = rms_ratio(S, ref_S)
+    else:
+        assert S is None
+    # A gradient that is exactly zero in float64 (e.g. the decay of the first token when it only
+    # multiplies a zero state) cannot be compared relatively: the kernel's rounding noise (~1e-8)
+    # there is measured against the largest rms of dq, dk, dv instead.
+    scale = max(rms(ref[n]) for n in ("q", "k", "v"))
+    for name, g in ref.items():
+        assert got[name].shape == g.shape and got[name].dtype == torch.float32, name
+        if rms(g) == 0.0 and scale > 0.0:
+            errors["d" + name] = rms(got[name]) / scale
+        else:
+            errors["d" + name] = rms_ratio(got[name], g)
+    failures = {n: e for n, e in errors.items()
+                if not e < (TOL_QKV if n in ("o", "S") else tolerance(n[1:]))}  # nan fails
+    return errors, failures
+
+
+def describe(errors):
+    return ", ".join(f"{n} {e:.2g}" for n, e in errors.items())
+
+
+def repro(load: str, case: Case, output_final_state: bool, seed: int) -> str:
+    """A shell command that reruns one comparison and prints every error ratio."""
+    code = (f"import sys; sys.path[:0] = ['tests']; import conftest, lrdsl, test_backward as t; "
+            f"from lrdsl.fuzz import Case; m = {load}; "
+            f"print(t.compare(m, {case!r}, {output_final_state}, {seed}))")
+    return f"cd {ROOT} && .venv/bin/python -c {code!r}"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(path, **kw):
+        key = (str(path), tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = lrdsl.compile(path, **kw)
+        return cache[key]
+
+    return get
+
+
+# ---- every example on odd shapes -------------------------------------------------------------
+# T = 37 (not a multiple of 16 or 64), K = 20 and V = 12 (not powers of two, V < 16), HV = 2H,
+# an initial state and a non-default scale; two key heads with two value heads each in the first
+# case (grouped value heads and shared inputs summed back per key head), sequences of 5, 25, 1 and
+# 9 tokens packed with cu_seqlens in the second. (Batches of 2 are drawn by the random test below.)
+CASES = {
+    "T37-H2-HV4-K20-V12": Case(B=1, T=37, H=2, HV=4, K=20, V=12, initial_state=True, scale=0.7, seed=11),
+    "varlen-5,25,1,9-H1-HV2-K20-V12": Case(B=1, T=40, H=1, HV=2, K=20, V=12, cu_seqlens=(0, 5, 30, 31, 40),
+                                            initial_state=True, seed=12),
+}
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_chunk_gradients_match_reference(spec, case_id, compiled):
+    mixer = compiled(spec)
+    errors, failures = compare(mixer, CASES[case_id], output_final_state=True, seed=101)
+    assert not failures, (f"{spec.stem} {case_id}: failing {describe(failures)}\nall: {describe(errors)}\n"
+                          f"reproduce: {repro(f'lrdsl.compile({str(spec)!r})', CASES[case_id], True, 101)}")
+    names = {"d" + n for n in mixer.inputs} | {"dinitial_state"}
+    assert names <= set(errors), f"gradients not compared: {names - set(errors)}"
+
+
+# ---- random specs ----------------------------------------------------------------------------
+DECAYS = ("none", "constant", "scalar", "diagonal")
+CONSTANTS = ("1 - 2^(-5 - h)", "0.9", "exp(-1/(h + 2))")
+GAINS = ("none", "scalar (0, 1)", "scalar (0, 2)", "channelwise")
+NAMES = ("g", "alpha", "gk", "beta", "b", "w", "gate", "a2", "g_atk", "beta_atk", "lam", "eta")
+
+
+@st.composite
+def axis_specs(draw):
+    """Axis form: decay x gain x precond x normalize, with random (valid) input names.
+    (The same axes as tests/test_recurrent.py; repeated here so the two files stay independent.)"""
+    decay = draw(st.sampled_from(DECAYS))
+    gain = draw(st.sampled_from(GAINS))
+    precond = draw(st.sampled_from(("none", "atk", "atq")))
+    if precond == "atk" and gain == "scalar (0, 2)":  # m k up to 1.5 k: unstable (refused)
+        gain = "scalar (0, 1)"
+    normalize = draw(st.sampled_from(("", "q, k", "q, k, v")))
+    names = iter(draw(st.permutations(NAMES)))
+    lines = ["mixer fuzzed"]
+    if decay == "constant":
+        lines.append(f"decay constant {draw(st.sampled_from(CONSTANTS))}")
+    elif decay == "none":
+        lines.append("decay none")
+    else:
+        lines.append(f"decay {decay} {next(names)}")
+    if gain == "none":
+        lines.append("gain none")
+    elif gain.startswith("scalar"):
+        lines.append(f"gain scalar {next(names)} in {gain.split(' ', 1)[1]}")
+    else:
+        w_range = draw(st.sampled_from(("", " in [0, 1]", " in (0, 2)")))
+        lines.append(f"gain channelwise {next(names)}, {next(names)}{w_range}")
+    if precond != "none":
+        opts = draw(st.sampled_from(("", ", x = 2, center = 0.5", ", x = 1.25")))
+        lines.append(f"precond diagonal {precond}({next(names)}, {next(names)}{opts})")
+    if normalize:
+        lines.append(f"normalize {normalize}")
+    return "\n".join(lines) + "\n"
+
+
+EXPLICIT_DECAYS = {"none": ("", ""), "constant": ("", "0.9 "), "scalar": ("g log", "exp(g) "),
+                   "diagonal": ("g[K] log", "diag(exp(g)) ")}
+EXPLICIT_ERASES = {  # inputs, erase term a c^T, write term
+    "none": ([], "", "k v^T"),
+    "beta (0, 1)": (["beta in (0, 1)"], "beta k k^T", "beta k v^T"),
+    "beta (0, 2)": (["beta in (0, 2)"], "beta k k^T", "beta k v^T"),
+    "channelwise": (["b[K] in [0, 1]", "w[V] in [0, 1]"], "k (b*k)^T", "k (w*v)^T"),
+    "atk": (["beta in (0, 1)", "g_atk log shared", "beta_atk in (0, 1) shared"], "beta (m*k) k^T",
+            "beta (m*k) v^T"),
+}
+
+
+@st.composite
+def explicit_specs(draw):
+    """Explicit form, both orders of decay and erase: (I - a c^T) D S + write, and the
+    decay-after-erase order D (I - a c^T) S + write (e.g. S = diag(exp(g)) (I - beta k k^T) S + ...)."""
+    decay = draw(st.sampled_from(sorted(EXPLICIT_DECAYS)))
+    erase = draw(st.sampled_from(sorted(EXPLICIT_ERASES)))
+    after = draw(st.booleans())
+    d_input, d_text = EXPLICIT_DECAYS[decay]
+    e_inputs, e_text, write = EXPLICIT_ERASES[erase]
+    norm = " l2norm" if (e_text or draw(st.booleans())) else ""
+    lines = ["mixer explicit", f"input q[K]{norm}, k[K]{norm}, v[V]"]
+    inputs = ([d_input] if d_input else []) + e_inputs
+    if inputs:
+        lines.append("input " + ", ".join(inputs))
+    if erase == "atk":
+        lines += ["state P[K] = exp(g_atk) * P + beta_atk * k * k",
+                  "let m = squash(P, x = 1.5, center = -0.2)"]
+    if e_text:
+        transition = d_text + f"(I - {e_text}) " if after else f"(I - {e_text}) " + d_text
+    else:
+        transition = d_text
+    lines += [f"S = {transition}S + {write}", "o = S^T q"]
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def grad_cases(draw):
+    """T 1-70, K and V in 16-24 (non powers of two included), H 1-2, HV = H or 2H, packed
+    sequences (empty ones included) on or off, initial state on or off, the final state returned
+    or not. At most 4 (sequence, value head) pairs so that one case stays a few seconds."""
+    varlen = draw(st.booleans())
+    T = draw(st.integers(1, 70))
+    H = draw(st.integers(1, 2))
+    HV = H * draw(st.sampled_from((1, 2)))
+    B = 1 if (varlen or HV == 4) else draw(st.integers(1, 2))
+    cu = None
+    if varlen:
+        cuts = draw(st.lists(st.integers(0, T), max_size=2 if HV < 4 else 1))
+        cu = (0, *sorted(cuts), T)
+    size = st.one_of(st.sampled_from((16, 20, 24)), st.integers(16, 24))
+    K, V = draw(size), draw(size)
+    init = draw(st.booleans())
+    scale = draw(st.one_of(st.none(), st.floats(0.1, 2.0, allow_nan=False, allow_infinity=False)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return Case(B, T, H, HV, K, V, cu, init, scale, seed), draw(st.booleans())
+
+
+@settings(max_examples=20, deadline=None, database=None, derandomize=True,
+          phases=(Phase.explicit, Phase.generate),  # no shrinking: each run costs seconds; the
+          suppress_health_check=[HealthCheck.too_slow])  # message below reproduces the case as drawn
+@given(text=st.one_of(axis_specs(), explicit_specs()), drawn=grad_cases())
+def test_random_spec_chunk_gradients_match_reference(text, drawn):
+    case, output_final_state = drawn
+    mixer = lrdsl.compile(text=text)
+    errors, failures = compare(mixer, case, output_final_state=output_final_state, seed=case.seed + 1)
+    how = repro(f"lrdsl.compile(text={text!r})", case, output_final_state, case.seed + 1)
+    assert not failures, f"failing {describe(failures)}\nall: {describe(errors)}\nreproduce: {how}"
+
+
+# ---- keep_intermediates ----------------------------------------------------------------------
+@pytest.mark.parametrize("stem", ["gated_deltanet", "kda", "precond_kda"])
+def test_keep_intermediates_gives_the_same_gradients(stem, compiled):
+    path = ROOT / "examples" / f"{stem}.lr"
+    recompute, kept = compiled(path), compiled(path, keep_intermediates=True)
+    assert kept.keep_intermediates and not recompute.keep_intermediates
+    case = Case(B=1, T=29, H=1, HV=2, K=20, V=16, cu_seqlens=(0, 11, 29), initial_state=True, seed=21)
+    x, opts = draw_inputs(recompute, case, "cpu")
+    h0 = opts.pop("initial_state")
+    do, dS = upstream((case.B, case.T, case.HV, case.V), (case.N, case.HV, case.K, case.V), 22)
+    o1, S1, g1 = gradients(recompute.chunk, x, h0, dict(opts), do, dS, torch.float32)
+    o2, S2, g2 = gradients(kept.chunk, x, h0, dict(opts), do, dS, torch.float32)
+    assert rms_ratio(o2, o1) < 1e-6 and rms_ratio(S2, S1) < 1e-6
+    assert set(g1) == set(g2) == {*recompute.inputs, "initial_state"}
+    diffs = {n: rms_ratio(g2[n], g1[n]) for n in g1}
+    assert all(d < 1e-6 for d in diffs.values()), f"{stem}: kept vs recomputed: {describe(diffs)}"
+    # and both are right (not the same wrong answer)
+    _, _, ref = gradients(recompute.reference, x, h0, dict(opts), do, dS, torch.float64)
+    errs = {n: rms_ratio(g2[n], ref[n]) for n in ref}
+    assert all(e < tolerance(n) for n, e in errs.items()), f"{stem}: kept vs reference: {describe(errs)}"
+
+
+# ---- torch.compile ---------------------------------------------------------------------------
+def test_torch_compile_fullgraph_matches_eager(compiled):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mixer = compiled(ROOT / "examples" / "precond_kda.lr")  # per-channel decay, shared inputs, aux state
+    case = Case(B=1, T=23, H=1, HV=2, K=16, V=16, initial_state=True, seed=31)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    h0 = opts.pop("initial_state")
+    do, dS = upstream((case.B, case.T, case.HV, case.V), (case.N, case.HV, case.K, case.V), 32)
+    do, dS = do.to(DEVICE), dS.to(DEVICE)
+    names = list(x)
+
+    def f(h0, *xs):
+        o, S = mixer.chunk(**dict(zip(names, xs)), initial_state=h0, output_final_state=True, scale=0.5)
+        return (o * do).sum() + (S * dS).sum()
+
+    def run(fn):
+        leaves = [h0.clone().requires_grad_(), *(x[n].clone().requires_grad_() for n in names)]
+        loss = fn(*leaves)
+        return loss.detach(), torch.autograd.grad(loss, leaves)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_f = torch.compile(f, backend=counter, fullgraph=True)  # fullgraph: a graph break raises
+    loss_c, grads_c = run(compiled_f)
+    loss_e, grads_e = run(f)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled"
+    assert abs(loss_c.item() - loss_e.item()) <= 1e-6 * abs(loss_e.item()) + 1e-6
+    for n, gc, ge in zip(["initial_state", *names], grads_c, grads_e):
+        assert gc is not None and gc.shape == ge.shape
+        assert rms_ratio(gc, ge) < 1e-6, f"d{n}: compiled vs eager {rms_ratio(gc, ge):.3g}"
+    loss_c2, _ = run(compiled_f)  # a second call reuses the graph
+    assert counter.frame_count == 1 and torch.allclose(loss_c2, loss_c)
+
+
+# ---- recurrent is forward-only ---------------------------------------------------------------
+@pytest.mark.parametrize("which", ["q", "beta", "initial_state"])
+def test_recurrent_refuses_inputs_that_require_grad(which, compiled):
+    mixer = compiled(ROOT / "examples" / "gated_deltanet.lr")
+    case = Case(B=1, T=9, H=1, HV=1, K=16, V=16, initial_state=True, seed=41)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    if which == "initial_state":
+        opts["initial_state"].requires_grad_()
+    else:
+        x[which].requires_grad_()
+    with pytest.raises(lrdsl.InputError, match="forward-only") as e:
+        mixer.recurrent(**x, **opts)
+    assert "no_grad" in str(e.value) and "chunk" in str(e.value)
+    with torch.no_grad():
+        o, S = mixer.recurrent(**x, **opts)
+    assert not o.requires_grad and not S.requires_grad
+    ref_o, ref_S = mixer.reference(**{n: t.detach().double() for n, t in x.items()},
+                                   **dict(opts, initial_state=opts["initial_state"].detach().double()))
+    assert rms_ratio(o, ref_o) < TOL_QKV and rms_ratio(S, ref_S) < TOL_QKV
+
+
+# ---- lrdsl fuzz checks gradients (--grad, the default) ---------------------------------------
+@pytest.fixture
+def reference_with_wrong_beta_gradient(monkeypatch):
+    """The reference's forward is unchanged, but its gradient for beta is off by 1e-2 * do.sum()."""
+    import lrdsl.api
+
+    real = lrdsl.api.Mixer.reference
+
+    def wrong(self, *args, **kwargs):
+        o, s = real(self, *args, **kwargs)
+        beta = kwargs["beta"]
+        return o + 1e-2 * (beta - beta.detach()).sum(), s
+
+    monkeypatch.setattr(lrdsl.api.Mixer, "reference", wrong)
+
+
+def test_fuzz_catches_a_gradient_only_error(reference_with_wrong_beta_gradient, compiled, capsys):
+    import contextlib
+    import io
+
+    from lrdsl import cli
+    from lrdsl.fuzz import run_fuzz
+
+    mixer = compiled(ROOT / "examples" / "gated_deltanet.lr")
+    result = run_fuzz(mixer, examples=3, device="cpu", seed=1)  # gradients on by default
+    assert not result.ok and "dbeta" in result.failure.message and "dq" not in result.failure.message
+    code = result.failure.snippet
+    with pytest.raises(AssertionError, match="beta"), contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(code, "<snippet>", "exec"), {"__name__": "__snippet__"})  # noqa: S102
+    # without gradients the same (forward-identical) reference passes
+    assert run_fuzz(mixer, examples=2, device="cpu", seed=1, grad=False).ok
+    assert cli.main(["fuzz", str(ROOT / "examples" / "gated_deltanet.lr"), "--examples", "2", "--seed", "1",
+                     "--device", "cpu", "--no-grad"]) == 0
+    out = capsys.readouterr().out
+    assert "passed" in out and "gradients" not in out
+
+
+def test_fuzz_command_reports_gradients_by_default(compiled, capsys):
+    from lrdsl import cli
+
+    assert cli.main(["fuzz", str(ROOT / "examples" / "kda.lr"), "--examples", "2", "--seed", "3",
+                     "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "2 examples passed" in out and "chunk gradients worst rms ratio q, k, v, h0" in out, out
