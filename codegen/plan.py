@@ -55,6 +55,8 @@ class Plan:
     recurrent_bv: int = 32
     recurrent_warps: int = 1
     chunk_size: int = 64  # BT; 16 for per-channel decays, whose pairwise terms are built elementwise
+    chunk_size_wide_k: int = 16  # BT when K > wide_k: [BT, K] fp32 dot operands must fit in shared memory
+    wide_k: int = 128
     chunk_bv: int = 32
     chunk_bkt: int = 32  # key tile of the elementwise pairwise sums
     chunk_warps: int = 4

@@ -119,7 +119,6 @@ def chunk_op(mixer_ir, module, key: str):
     if key in _OPS:
         return _OPS[key]
     names = tuple(i.name for i in mixer_ir.inputs)
-    kinds = {i.name: i for i in mixer_ir.inputs}
     lib = f"lrdsl::{mixer_ir.name}_{key}"
 
     def sizes(tensors, cu_seqlens):

@@ -9,3 +9,21 @@ import tempfile
 if os.environ.get("LRDSL_TEST_DEVICE", "cpu") != "cuda":
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("LRDSL_CACHE_DIR", tempfile.mkdtemp(prefix="lrdsl-test-cache-"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """lrdsl.compile with a cache for the session: each spec is parsed and its kernels loaded once."""
+    import lrdsl
+    cache = {}
+
+    def get(path, **kw):
+        key = (str(path), tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = lrdsl.compile(path, **kw)
+        return cache[key]
+
+    return get

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import lrdsl
 from lrdsl.fuzz import Case, draw_inputs, rms_ratio
+from specgen import axis_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.lr"))
@@ -111,19 +112,6 @@ def repro(load: str, case: Case, output_final_state: bool, seed: int) -> str:
     return f"cd {ROOT} && .venv/bin/python -c {code!r}"
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    cache = {}
-
-    def get(path, **kw):
-        key = (str(path), tuple(sorted(kw.items())))
-        if key not in cache:
-            cache[key] = lrdsl.compile(path, **kw)
-        return cache[key]
-
-    return get
-
-
 # ---- every example on odd shapes -------------------------------------------------------------
 # T = 37 (not a multiple of 16 or 64), K = 20 and V = 12 (not powers of two, V < 16), HV = 2H,
 # an initial state and a non-default scale; two key heads with two value heads each in the first
@@ -148,45 +136,6 @@ def test_example_chunk_gradients_match_reference(spec, case_id, compiled):
 
 
 # ---- random specs ----------------------------------------------------------------------------
-DECAYS = ("none", "constant", "scalar", "diagonal")
-CONSTANTS = ("1 - 2^(-5 - h)", "0.9", "exp(-1/(h + 2))")
-GAINS = ("none", "scalar (0, 1)", "scalar (0, 2)", "channelwise")
-NAMES = ("g", "alpha", "gk", "beta", "b", "w", "gate", "a2", "g_atk", "beta_atk", "lam", "eta")
-
-
-@st.composite
-def axis_specs(draw):
-    """Axis form: decay x gain x precond x normalize, with random (valid) input names.
-    (The same axes as tests/test_recurrent.py; repeated here so the two files stay independent.)"""
-    decay = draw(st.sampled_from(DECAYS))
-    gain = draw(st.sampled_from(GAINS))
-    precond = draw(st.sampled_from(("none", "atk", "atq")))
-    if precond == "atk" and gain == "scalar (0, 2)":  # m k up to 1.5 k: unstable (refused)
-        gain = "scalar (0, 1)"
-    normalize = draw(st.sampled_from(("", "q, k", "q, k, v")))
-    names = iter(draw(st.permutations(NAMES)))
-    lines = ["mixer fuzzed"]
-    if decay == "constant":
-        lines.append(f"decay constant {draw(st.sampled_from(CONSTANTS))}")
-    elif decay == "none":
-        lines.append("decay none")
-    else:
-        lines.append(f"decay {decay} {next(names)}")
-    if gain == "none":
-        lines.append("gain none")
-    elif gain.startswith("scalar"):
-        lines.append(f"gain scalar {next(names)} in {gain.split(' ', 1)[1]}")
-    else:
-        w_range = draw(st.sampled_from(("", " in [0, 1]", " in (0, 2)")))
-        lines.append(f"gain channelwise {next(names)}, {next(names)}{w_range}")
-    if precond != "none":
-        opts = draw(st.sampled_from(("", ", x = 2, center = 0.5", ", x = 1.25")))
-        lines.append(f"precond diagonal {precond}({next(names)}, {next(names)}{opts})")
-    if normalize:
-        lines.append(f"normalize {normalize}")
-    return "\n".join(lines) + "\n"
-
-
 EXPLICIT_DECAYS = {"none": ("", ""), "constant": ("", "0.9 "), "scalar": ("g log", "exp(g) "),
                    "diagonal": ("g[K] log", "diag(exp(g)) ")}
 EXPLICIT_ERASES = {  # inputs, erase term a c^T, write term

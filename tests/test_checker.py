@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import sympy as sp
 
-from lrdsl import ir
 from lrdsl.checker import check, explain, stability_error
 from lrdsl.frontend import spec_to_ir
 

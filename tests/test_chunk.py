@@ -12,20 +12,9 @@ from hypothesis import HealthCheck, given, settings
 import lrdsl
 from lrdsl.fuzz import TOL, Case, check_case, draw_inputs, rms_ratio
 
-from test_recurrent import CASES, DEVICE, EXAMPLES, PoisonTorch, axis_specs, small_cases
 import pytest
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    cache = {}
-
-    def get(path):
-        if path not in cache:
-            cache[path] = lrdsl.compile(path)
-        return cache[path]
-
-    return get
+from specgen import axis_specs
+from test_recurrent import CASES, DEVICE, EXAMPLES, PoisonTorch, small_cases
 
 
 def reference(mixer, x, opts):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import lrdsl
 from lrdsl.fuzz import TOL, Case, check_case, draw_inputs, rms_ratio
+from specgen import axis_specs
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.lr"))
 DEVICE = "cuda" if os.environ.get("LRDSL_TEST_DEVICE") == "cuda" else "cpu"
@@ -50,18 +51,6 @@ class PoisonTorch:
 
     def empty_like(self, *args, **kwargs):
         return self._poison(torch.empty_like(*args, **kwargs))
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    cache = {}
-
-    def get(path):
-        if path not in cache:
-            cache[path] = lrdsl.compile(path)
-        return cache[path]
-
-    return get
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -111,44 +100,6 @@ def test_example_without_final_state_returns_none(compiled):
 
 
 # ---- random axis-form specs ------------------------------------------------------------------
-DECAYS = ("none", "constant", "scalar", "diagonal")
-CONSTANTS = ("1 - 2^(-5 - h)", "0.9", "exp(-1/(h + 2))")
-GAINS = ("none", "scalar (0, 1)", "scalar (0, 2)", "channelwise")
-
-
-@st.composite
-def axis_specs(draw):
-    """Axis-form spec text: decay x gain x precond x normalize, with random (valid) input names."""
-    decay = draw(st.sampled_from(DECAYS))
-    gain = draw(st.sampled_from(GAINS))
-    precond = draw(st.sampled_from(("none", "atk", "atq")))
-    if precond == "atk" and gain == "scalar (0, 2)":  # m k up to 1.5 k: unstable (refused)
-        gain = "scalar (0, 1)"
-    normalize = draw(st.sampled_from(("", "q, k", "q, k, v")))
-    names = iter(draw(st.permutations(("g", "alpha", "gk", "beta", "b", "w", "gate", "a2", "g_atk",
-                                       "beta_atk", "lam", "eta"))))
-    lines = ["mixer fuzzed"]
-    if decay == "constant":
-        lines.append(f"decay constant {draw(st.sampled_from(CONSTANTS))}")
-    elif decay == "none":
-        lines.append("decay none")
-    else:
-        lines.append(f"decay {decay} {next(names)}")
-    if gain == "none":
-        lines.append("gain none")
-    elif gain.startswith("scalar"):
-        lines.append(f"gain scalar {next(names)} in {gain.split(' ', 1)[1]}")
-    else:
-        w_range = draw(st.sampled_from(("", " in [0, 1]", " in (0, 2)")))
-        lines.append(f"gain channelwise {next(names)}, {next(names)}{w_range}")
-    if precond != "none":
-        opts = draw(st.sampled_from(("", ", x = 2, center = 0.5", ", x = 1.25")))
-        lines.append(f"precond diagonal {precond}({next(names)}, {next(names)}{opts})")
-    if normalize:
-        lines.append(f"normalize {normalize}")
-    return "\n".join(lines) + "\n"
-
-
 def small_cases():
     return st.builds(
         lambda T, H, G, K, V, varlen, cut, init, seed: Case(
