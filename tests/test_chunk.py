@@ -6,6 +6,8 @@ Tolerance: rms(kernel - reference) / rms(reference) < 1e-4 for o and the final s
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from hypothesis import HealthCheck, given, settings
 
@@ -114,3 +116,15 @@ def test_random_axis_spec_chunk_matches_reference(text, case):
     mixer = lrdsl.compile(text=text)
     out = check_case(mixer, case, DEVICE, impls=("chunk",))
     assert out.ok, f"{out.message}\nspec:\n{text}case: {case}"
+
+
+NOVEL = Path(__file__).resolve().parent / "specs" / "novel_test_only.lr"
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_novel_spec_written_for_the_tests(case_id, compiled):
+    """A transition that no library ships and that is not in examples/: forward, recurrent and
+    gradients against the float64 reference."""
+    mixer = compiled(NOVEL)
+    out = check_case(mixer, CASES[case_id], DEVICE, impls=("chunk", "recurrent"), grad=True)
+    assert out.ok, out.message

@@ -126,3 +126,28 @@ def test_edge_sizes(name, K, V, dtype):
     RESULTS.append((f"{name} K{K} V{V}", str(dtype)[6:], errs["o"], max(errs.values())))
     for n, e in errs.items():
         assert e < (5e-3 if n in ("o", "S", "o rec") else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL), (n, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_novel_spec_written_for_the_tests_gpu():
+    """tests/specs/novel_test_only.lr (not in examples/): bf16, chunk forward and backward and
+    recurrent forward against the float64 reference, same limits as the examples."""
+    path = os.path.join(os.path.dirname(__file__), "specs", "novel_test_only.lr")
+    B, T, H, K, V = 2, 2048, 4, 128, 128
+    mixer = lrdsl.compile(path)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda")
+    ref_leaves = {n: t.double().requires_grad_() for n, t in x.items()}
+    ref_o, _ = mixer.reference(**ref_leaves)
+    (ref_o * do.double()).sum().backward()
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, _ = mixer.chunk(**leaves)
+    (o.double() * do.double()).sum().backward()
+    with torch.no_grad():
+        o2, _ = mixer.recurrent(**x)
+    errs = {"o": rms_ratio(o, ref_o), "o rec": rms_ratio(o2, ref_o),
+            **{"d" + n: rms_ratio(leaves[n].grad, ref_leaves[n].grad) for n in x}}
+    RESULTS.append(("novel_test_only", "all", errs["o"], max(errs.values())))
+    for n, e in errs.items():
+        assert e < (5e-3 if n.startswith("o") else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL), (n, e)
