@@ -329,3 +329,18 @@ def test_fuzz_command_reports_gradients_by_default(compiled, capsys):
                      "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "2 examples passed" in out and "chunk gradients worst rms ratio q, k, v, h0" in out, out
+
+
+def test_first_order_scan_matches_a_token_loop():
+    """The doubling scan behind the chain rule of auxiliary states, against the plain recurrence,
+    with resets (alpha = 0) where sequences start."""
+    from lrdsl.autograd import first_order_scan
+    gen = torch.Generator().manual_seed(5)
+    alpha = torch.rand(2, 45, 3, 7, generator=gen, dtype=torch.float64)
+    alpha[:, [0, 11, 12, 40]] = 0.0
+    beta = torch.randn(2, 45, 3, 7, generator=gen, dtype=torch.float64)
+    p, rows = torch.zeros_like(beta[:, 0]), []
+    for t in range(45):
+        p = alpha[:, t] * p + beta[:, t]
+        rows.append(p)
+    assert rms_ratio(first_order_scan(alpha, beta), torch.stack(rows, 1)) < 1e-14
