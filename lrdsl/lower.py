@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import keyword
 import re
+import sys
 from dataclasses import dataclass
 
 import sympy as sp
@@ -341,6 +342,10 @@ class Lowerer:
 def lower(spec: Spec) -> ir.Mixer:
     """AST (either form) -> IR. Raises SpecError naming the place of the first problem."""
     check_name(spec.name, spec.span, "mixer name")
+    if spec.name in sys.stdlib_module_names or spec.name in ("lrdsl", "numpy", "sympy", "jinja2", "lark"):
+        # `lrdsl compile` writes <mixer name>.py: it must not shadow a module on the import path
+        raise SpecError(f"the mixer name '{spec.name}' is the name of a Python module, and `lrdsl "
+                        "compile` writes <mixer name>.py; choose another name", spec.span)
     spec = desugar(spec)
     lw = Lowerer()
     inputs, aux, lets = [], [], []

@@ -281,3 +281,12 @@ def test_unstable_spec_is_accepted_with_allow():
     m = lrdsl.compile(text=spec("mixer m", "decay none", "gain scalar beta in (0, 3)", "normalize q, k",
                                 "allow unstable"))
     assert m.ir.allow_unstable
+
+
+def test_mixer_named_like_a_python_module_is_refused():
+    """`lrdsl compile` writes <mixer>.py; `random.py` would shadow the standard library."""
+    import lrdsl
+    for name in ("random", "os", "numpy"):
+        with pytest.raises(lrdsl.SpecError, match="name of a Python module") as e:
+            lrdsl.compile(text=f"mixer {name}\ndecay none\n", load_kernels=False)
+        assert str(e.value).startswith("<spec>:1:7: error:")
