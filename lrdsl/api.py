@@ -145,9 +145,9 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
         from .checker import stability_error
         msg = stability_error(m, mixer._facts)
         if msg:
-            raise SpecError(msg, m.update_span, source, filename)
+            raise SpecError(msg, m.error_span(mixer._facts), source, filename)
     if load_kernels:
         import importlib.util
-        if importlib.util.find_spec("triton") is not None:
+        if importlib.util.find_spec("triton") is not None and m.solve_lam is None:
             mixer.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
     return mixer

@@ -319,7 +319,7 @@ def check(mixer: ir.Mixer) -> dict:
                          f"||M|| = {found['spectral_norm']:.4g}.")
         else:
             notes.append("No proof that ||M|| <= 1, and no counterexample was found by sampling.")
-    return {
+    out = {
         "eigenvalues": {"min": _json(eig[0]), "max": _json(eig[1]), "proved": bool(proved)},
         "spectral_norm_le_1": norm,
         "counterexample": ce,
@@ -328,6 +328,30 @@ def check(mixer: ir.Mixer) -> dict:
         "contraction": norm == "proved",
         "notes": notes,
     }
+    if mixer.solve_lam is not None:
+        out["solve_well_posed"] = _solve_well_posed(mixer, notes)
+    return out
+
+
+def _solve_well_posed(mixer: ir.Mixer, notes: list) -> bool:
+    """The offline solve reads (G + diag(lam))^-1 q with G_t = D G_{t-1} + u k^T: G is positive
+    semi-definite when D >= 0 and u is a non-negative per-head multiple of k, and then lam > 0 makes
+    the matrix positive definite."""
+    rng = Ranges(mixer)
+    lam_lo = rng.of(_inline_lets(mixer, mixer.solve_lam))[0]
+    ratio = sp.simplify(_inline_lets(mixer, mixer.write.key) / ir.symbol("k"))
+    per_head = not _per_channel(mixer, ratio)
+    psd = bool(per_head and rng.of(ratio)[0] >= 0 and rng.of(mixer.decay.value)[0] >= 0)
+    lam_in = next((i for i in mixer.inputs if i.symbol == mixer.solve_lam), None)
+    positive = bool(lam_lo > 0 or (lam_in is not None and bool(lam_in.lo >= 0) and lam_in.lo_open))
+    ok = psd and positive
+    if ok:
+        notes.append(f"The readout solves (G + diag(lam)) x = q: G = D G + ({ratio}) k k^T is positive "
+                     f"semi-definite and lam > 0, so the solve is well posed.")
+    else:
+        notes.append("The readout's solve is not proved well posed: it needs D >= 0, a write key that is "
+                     "a non-negative multiple of k, and lam > 0.")
+    return ok
 
 
 def explain(result: dict) -> str:
@@ -348,6 +372,9 @@ def explain(result: dict) -> str:
 
 def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
     """One sentence for a spec whose stability is not proved (None when stable or allowed)."""
+    if result.get("solve_well_posed") is False and not mixer.allow_unstable:
+        return ("the readout's solve (G + diag(lamb))^-1 q is not proved well posed: declare the regulariser "
+                "positive (e.g. `lamb[K] in (0, inf)`) and keep the write key a non-negative multiple of k")
     if result["stable"] or mixer.allow_unstable:
         return None
     e = result["eigenvalues"]

@@ -77,7 +77,7 @@ def cmd_check(args) -> int:
         print(f"mixer {m.name}: M_t = {transition(m.ir)}")
         print(explain(facts), end="")
     if msg:
-        raise SpecError(msg, m.ir.update_span, m.source, m.filename)
+        raise SpecError(msg, m.ir.error_span(facts), m.source, m.filename)
     return 0
 
 

@@ -41,9 +41,15 @@ def desugar(spec: Spec) -> Spec:
     precond = axes.get("AxisPrecond")
     solve = axes.get("AxisSolve")
     normalize = axes.get("AxisNormalize")
-    if solve is not None and solve.kind == "offline":
-        raise SpecError("the offline solve (exact least squares, the Mesa layer) is not compiled by this "
-                        "version of lrdsl; use `solve online`", solve.span)
+    offline = solve is not None and solve.kind == "offline"
+    if solve is not None and (solve.lam is None) == offline:
+        raise SpecError("`solve offline` names its regulariser, e.g. `solve offline lamb`; "
+                        "`solve online` takes nothing after it", solve.span)
+    if offline and gain is not None and gain.kind == "channelwise":
+        raise SpecError("the offline solve (Mesa) goes with `gain none` or `gain scalar beta`: its "
+                        "states accumulate u k^T and u v^T without an erase", solve.span)
+    if offline and precond is not None and precond.kind != "none":
+        raise SpecError("the offline solve (Mesa) takes no preconditioner: the solve is exact", solve.span)
 
     here = spec.span
     norm = set()
@@ -120,7 +126,8 @@ def desugar(spec: Spec) -> Spec:
         name, rng, nspan = gain.inputs[0]
         decls.append(Decl(name, None, (), rng or Range(Fraction(0), Fraction(1), True, True, nspan), nspan))
         beta = Var(name, nspan)
-        erase = BinOp("matmul", BinOp("matmul", beta, key, span), Transpose(k, span), span)
+        if not offline:  # the offline solve replaces the online erase
+            erase = BinOp("matmul", BinOp("matmul", beta, key, span), Transpose(k, span), span)
         write = BinOp("matmul", BinOp("matmul", beta, key, span), Transpose(v, span), span)
     else:  # channelwise
         if len(gain.inputs) != 2:
@@ -142,7 +149,14 @@ def desugar(spec: Spec) -> Spec:
     stmts.append(Update(BinOp("add", carried, write, span), span))
     q = Var("q", span)
     query = BinOp("emul", Var("m_atk", span), q, span) if site == "atq" else q
-    stmts.append(Readout(BinOp("matmul", Transpose(S, span), query, span), span))
+    read = Transpose(S, span)
+    if offline:
+        lam, lspan = solve.lam
+        decls.append(Decl(lam, ("K", lspan), (), Range(Fraction(0), None, True, True, lspan), lspan))
+        gram = BinOp("add", Var("G", solve.span), Call("diag", (Var(lam, lspan),), (), lspan), solve.span)
+        read = BinOp("matmul", read, BinOp("pow", gram, Neg(Num(Fraction(1), solve.span), solve.span),
+                                           solve.span), solve.span)
+    stmts.append(Readout(BinOp("matmul", read, query, span), span))
     allows = tuple(s for s in spec.statements if isinstance(s, Allow))
     return Spec(spec.name, (Inputs(tuple(decls), spec.span), *stmts, *allows), spec.span)
 

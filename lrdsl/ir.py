@@ -100,7 +100,14 @@ class Mixer:
     write: Write
     query: sp.Expr  # o = S^T (scale * query)
     allow_unstable: bool = False
+    # offline solve (Mesa): o = S^T (G + diag(solve_lam))^-1 (scale * query), G_t = D G_{t-1} + key k^T
+    solve_lam: sp.Expr | None = None
     update_span: Span | None = field(default=None, compare=False, hash=False)
+    readout_span: Span | None = field(default=None, compare=False, hash=False)
+
+    def error_span(self, facts: dict) -> Span | None:
+        """Where a checker's error points: the readout for an ill-posed solve, else the update."""
+        return self.readout_span if facts.get("solve_well_posed") is False else self.update_span
 
     def input(self, name: str) -> Input:
         return next(i for i in self.inputs if i.name == name)

@@ -22,7 +22,7 @@ from .errors import SpecError
 from .syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Readout, Spec, StateDecl, Transpose, Update,
                      Var)
 
-RESERVED = {"S", "I", "T", "o", "h", "inf", "exp", "log", "sqrt", "abs", "sigmoid", "squash", "diag",
+RESERVED = {"S", "G", "I", "T", "o", "h", "inf", "exp", "log", "sqrt", "abs", "sigmoid", "squash", "diag",
             "mixer", "input", "state", "let", "allow", "decay", "gain", "precond", "solve", "normalize",
             "in", "unit", "l2norm", "shared", "none", "constant", "scalar", "diagonal", "channelwise",
             "atk", "atq", "online", "offline", "scale", "initial_state", "output_final_state",
@@ -72,8 +72,20 @@ class StT:  # S^T
 
 
 @dataclass(frozen=True)
-class Out:  # S^T x
+class Out:  # S^T x, or S^T (G + diag(lam))^-1 x
     query: sp.Expr
+    lam: sp.Expr | None = None
+
+
+@dataclass(frozen=True)
+class Gram:  # G + diag(lam): the Gram state of an offline solve, plus a diagonal
+    lam: sp.Expr
+
+
+@dataclass(frozen=True)
+class GramInv:  # (G + diag(lam))^-1, or S^T (G + diag(lam))^-1 when after_state
+    lam: sp.Expr
+    after_state: bool = False
 
 
 def _desc(x) -> str:
@@ -87,6 +99,10 @@ def _desc(x) -> str:
         return "a [K, V] state expression"
     if isinstance(x, StT):
         return "S^T"
+    if isinstance(x, Gram):
+        return "the Gram state G plus a diagonal"
+    if isinstance(x, GramInv):
+        return "an inverse of G + diag(...)"
     return "the readout S^T x"
 
 
@@ -148,6 +164,8 @@ class Lowerer:
             return Mat((("diag", sp.Integer(1)),))
         if n.name == "S":
             return St((("diag", sp.Integer(1)),), ())
+        if n.name == "G":
+            return Gram(sp.Integer(0))
         if n.name not in self.kinds:
             raise self.name_error(n.name, n.span)
         return Val(self.kinds[n.name], self.symbols[n.name])
@@ -213,6 +231,9 @@ class Lowerer:
         return getattr(self, "op_" + n.op)(a, b, n)
 
     def op_add(self, a, b, n, sign=1):
+        for g, d in ((a, b), (b, a)):
+            if isinstance(g, Gram) and isinstance(d, Mat) and sign == 1 and all(t[0] == "diag" for t in d.terms):
+                return Gram(g.lam + sum((t[1] for t in d.terms), sp.Integer(0)))
         if isinstance(a, Val) and isinstance(b, Val):
             return Val(_join(a.kind, b.kind, n.span, "add"), a.expr + sign * b.expr)
         if isinstance(a, Mat) and isinstance(b, Mat):
@@ -246,6 +267,10 @@ class Lowerer:
         raise SpecError(f"cannot divide {_desc(a)} by {_desc(b)}", n.span)
 
     def op_pow(self, a, b, n):
+        if isinstance(a, Gram):
+            if not (isinstance(b, Val) and b.expr == -1):
+                raise SpecError("the Gram state enters the readout only as (G + diag(lamb))^-1", n.span)
+            return GramInv(a.lam)
         if isinstance(a, Val) and isinstance(b, Val):
             if a.expr.is_number and b.expr.is_number and abs(b.expr) > MAX_CONSTANT_BITS:
                 raise SpecError(f"the exponent {b.expr} is too large; lrdsl computes in floating point", n.span)
@@ -269,6 +294,9 @@ class Lowerer:
 
     def op_matmul(self, a, b, n):
         span = n.span
+        if isinstance(a, Gram) or isinstance(b, Gram):
+            raise SpecError("the Gram state G is read only through the offline solve: "
+                            "o = S^T (G + diag(lamb))^-1 q", span)
         if isinstance(a, Val) and a.kind == "scalar":
             return self.scale(b, a.expr, span)
         if isinstance(b, Val) and b.kind == "scalar" and not isinstance(a, StT):
@@ -303,6 +331,13 @@ class Lowerer:
             if any(t[0] == "outer" for t in a.terms):
                 raise SpecError("a rank-1 matrix times a vector is a dot product; not supported here", span)
             return Val("K", sum((t[1] for t in a.terms), sp.Integer(0)) * b.expr)
+        if isinstance(a, StT) and isinstance(b, GramInv) and not b.after_state:
+            return GramInv(b.lam, after_state=True)
+        if isinstance(a, GramInv) and isinstance(b, Val) and b.kind in ("K", "scalar"):
+            if not a.after_state:
+                raise SpecError("(G + diag(lamb))^-1 q is read by the state: write o = S^T (G + diag(lamb))^-1 q",
+                                span)
+            return Out(b.expr, a.lam)
         if isinstance(a, StT) and isinstance(b, Val):
             if b.kind == "V":
                 raise SpecError("shape mismatch: S^T is [V, K], so it reads a [K] vector (S^T q), "
@@ -394,8 +429,19 @@ def lower(spec: Spec) -> ir.Mixer:
     if not isinstance(out, Out):
         raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
                         f"this is {_desc(out)}", readout.span)
+    if out.lam is not None:
+        if delta is not None:
+            raise SpecError("the offline solve (o = S^T (G + diag(lamb))^-1 q) goes with a transition without "
+                            "erase: S = D S + u v^T, its Gram state G = D G + u k^T", readout.span)
+        if out.lam == 0:
+            raise SpecError("the solve needs a regulariser: o = S^T (G + diag(lamb))^-1 q with lamb > 0",
+                            readout.span)
+        if any(lw.kinds.get(str(sym)) == "V" for sym in out.lam.free_symbols):
+            raise SpecError("the regulariser of the solve runs over key channels (K), not value channels",
+                            readout.span)
     return ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
-                    "unstable" in allow, update_span=update.span)
+                    "unstable" in allow, solve_lam=out.lam, update_span=update.span,
+                    readout_span=readout.span)
 
 
 def _input(lw: Lowerer, d) -> ir.Input:

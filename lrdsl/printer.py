@@ -93,7 +93,8 @@ def explicit(m: ir.Mixer) -> str:
     t = transition(m)
     carried = "S" if t == "I" else f"{t} S"
     lines.append(f"S = {carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T")
-    lines.append(f"o = S^T {_vec(m.query)}")
+    solve = f"(G + diag({expr(m.solve_lam)}))^-1 " if m.solve_lam is not None else ""
+    lines.append(f"o = S^T {solve}{_vec(m.query)}")
     if m.allow_unstable:
         lines.append("allow unstable")
     return "\n".join(lines) + "\n"
@@ -109,7 +110,11 @@ def canonical(m: ir.Mixer) -> str:
         form = "(I - a c^T) D" if m.delta.order == "left" else "D (I - a c^T)"
         out.append(f"erase   rank-1    M = {form},  a = {expr(m.delta.a)},  c = {expr(m.delta.c)}")
     out.append(f"write   rank-1    {_vec(m.write.key)} {_vec(m.write.value)}^T")
-    out.append(f"readout           o = S^T (scale * {expr(m.query)})")
+    if m.solve_lam is None:
+        out.append(f"readout           o = S^T (scale * {expr(m.query)})")
+    else:
+        out.append(f"readout           o = S^T (G + diag({expr(m.solve_lam)}))^-1 (scale * {expr(m.query)})")
+        out.append(f"gram    offline   G = D G + {_vec(m.write.key)} k^T (exact solve, Mesa)")
     for a in m.aux:
         out.append(f"aux     {a.name}[{a.kind}]  = {expr(a.decay)} * {a.name} + {expr(a.write)}")
     for lt in m.lets:

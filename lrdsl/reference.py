@@ -80,6 +80,7 @@ def scan(m: ir.Mixer, b: Batch):
     f_let = [(lt.name, to_torch(lt.expr)) for lt in m.lets]
     f_d, f_key, f_val = to_torch(m.decay.value), to_torch(m.write.key), to_torch(m.write.value)
     f_q = to_torch(m.query)
+    f_lam = to_torch(m.solve_lam) if m.solve_lam is not None else None
     f_a = to_torch(m.delta.a) if m.delta else None
     f_c = to_torch(m.delta.c) if m.delta else None
     head = torch.arange(b.HV, device=dev, dtype=dtype).view(1, b.HV, 1)
@@ -88,6 +89,7 @@ def scan(m: ir.Mixer, b: Batch):
         S = torch.zeros(1, b.HV, b.K, b.V, device=dev, dtype=dtype)
         if b.initial_state is not None:
             S = b.initial_state[n:n + 1].to(dtype)
+        gram = torch.zeros(1, b.HV, b.K, b.K, device=dev, dtype=dtype) if f_lam else None
         aux = {name: torch.zeros(1, b.HV, b.K if kind == "K" else b.V, device=dev, dtype=dtype)
                for name, _, _, kind in f_aux}
         o_seq = []
@@ -113,6 +115,10 @@ def scan(m: ir.Mixer, b: Batch):
             key, val = f_key(env), f_val(env)
             S = S + torch.as_tensor(key).unsqueeze(-1) * torch.as_tensor(val).unsqueeze(-2)
             qv = torch.as_tensor(f_q(env)) * b.scale
+            if gram is not None:  # offline solve: G shares S's decay and write key, k on its other side
+                gram = d * gram + torch.as_tensor(key).unsqueeze(-1) * env["k"].unsqueeze(-2)
+                lam = torch.as_tensor(f_lam(env), dtype=dtype, device=dev).expand(1, b.HV, b.K)
+                qv = torch.linalg.solve(gram + torch.diag_embed(lam), qv.expand(1, b.HV, b.K))
             o_seq.append((qv.unsqueeze(-1) * S).sum(-2))
         if o_seq:
             outs.append(torch.stack(o_seq, dim=1))

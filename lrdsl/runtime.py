@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from . import ir, printer
+from .errors import LrdslError
 
 
 def cache_dir() -> Path:
@@ -24,6 +25,9 @@ def cache_dir() -> Path:
 
 def generate(m: ir.Mixer) -> str:
     """The standalone module for a mixer (same IR -> same bytes)."""
+    if m.solve_lam is not None:
+        raise LrdslError(f"mixer '{m.name}' reads its state through an offline solve (Mesa); lrdsl has "
+                         "its exact reference scan (mixer.reference) but generates no kernels for it yet")
     from . import __version__
     from .codegen.plan import plan
     from .codegen.render import render

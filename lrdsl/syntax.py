@@ -143,6 +143,7 @@ class AxisPrecond:
 @dataclass(frozen=True)
 class AxisSolve:
     kind: str
+    lam: tuple | None  # (name, span) of the regulariser with `solve offline lamb`
     span: Span
 
 
@@ -284,7 +285,8 @@ class _ToAst(Transformer):
         return AxisPrecond(str(c[0]), site, args, kwargs, _span(meta))
 
     def solve(self, meta, c):
-        return AxisSolve(str(c[0]), _span(meta))
+        lam = (str(c[1]), _span(c[1])) if c[1] is not None else None
+        return AxisSolve(str(c[0]), lam, _span(meta))
 
     def normalize(self, meta, c):
         return AxisNormalize(tuple((str(t), _span(t)) for t in c), _span(meta))

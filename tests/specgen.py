@@ -38,3 +38,12 @@ def axis_specs(draw):
     if normalize:
         lines.append(f"normalize {normalize}")
     return "\n".join(lines) + "\n"
+
+
+def kernel_examples():
+    """examples/*.lr that lrdsl generates kernels for (the offline solve has a reference only)."""
+    from pathlib import Path
+
+    from lrdsl.frontend import spec_to_ir
+    root = Path(__file__).resolve().parent.parent / "examples"
+    return sorted(p for p in root.glob("*.lr") if spec_to_ir(p.read_text()).solve_lam is None)

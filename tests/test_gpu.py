@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import lrdsl
+from specgen import kernel_examples
 
-EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "*.lr")))
+EXAMPLES = [str(p) for p in kernel_examples()]  # every example but the offline solve
 RESULTS = []
 
 pytestmark = pytest.mark.gpu
