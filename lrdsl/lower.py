@@ -38,7 +38,7 @@ def check_name(name: str, span, what: str = "name") -> None:
         raise SpecError(f"'{name}' is reserved and cannot be used as {article} {what}; choose another name",
                         span)
     if not NAME_RE.match(name):
-        raise SpecError(f"'{name}' is not a valid {what}: use lower-case letters, digits and '_', starting "
+        raise SpecError(f"'{name}' is not a valid {what}: use letters, digits and '_', starting "
                         "with a letter, at most 32 characters", span)
 
 
