@@ -65,6 +65,15 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
     return out
 
 
+def host_args(names, tensors, h0, cu_seqlens):
+    """What the generated host functions take: contiguous inputs by name, an fp32 initial state,
+    int64 cu_seqlens."""
+    inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
+    cu = cu_seqlens.to(torch.int64).contiguous() if cu_seqlens is not None else None
+    h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
+    return inputs, h0c, cu
+
+
 def _batch_like(batch: Batch, tensors: dict) -> Batch:
     return Batch(tensors, batch.B, batch.T, batch.H, batch.HV, batch.K, batch.V, batch.scale, None,
                  False, batch.cu_seqlens)
@@ -72,8 +81,7 @@ def _batch_like(batch: Batch, tensors: dict) -> Batch:
 
 def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved=None):
     """Gradients of every input (None where not needed) and of h0, for the chunked kernels."""
-    inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
-    cu = batch.cu_seqlens.to(torch.int64).contiguous() if batch.cu_seqlens is not None else None
+    inputs, h0, cu = host_args(names, tensors, h0, batch.cu_seqlens)
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
     vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved)
@@ -103,9 +111,7 @@ class KeptChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mixer_ir, module, batch, names, h0, *tensors):
-        inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
-        cu = batch.cu_seqlens.to(torch.int64).contiguous() if batch.cu_seqlens is not None else None
-        h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
+        inputs, h0c, cu = host_args(names, tensors, h0, batch.cu_seqlens)
         o, ht, saved = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, keep=True)
         ctx.save_for_backward(*tensors)
         ctx.info = (mixer_ir, module, batch, names, h0c, saved, None if h0 is None else h0.dtype)
@@ -146,9 +152,7 @@ def chunk_op(mixer_ir, module, key: str):
     @torch.library.custom_op(lib + "_fwd", mutates_args=())
     def fwd(tensors: list[torch.Tensor], h0: torch.Tensor | None, scale: float,
             cu_seqlens: torch.Tensor | None, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
-        cu = cu_seqlens.to(torch.int64).contiguous() if cu_seqlens is not None else None
-        h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
+        inputs, h0c, cu = host_args(names, tensors, h0, cu_seqlens)
         o, ht = module.chunk_fwd(inputs, scale, h0c, output_final_state, cu)
         return o, (ht if ht is not None else o.new_empty(0, dtype=torch.float32))
 
@@ -165,8 +169,7 @@ def chunk_op(mixer_ir, module, key: str):
             cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None,
             needs: list[bool]) -> list[torch.Tensor]:
         batch = batch_of(tensors, scale, cu_seqlens, False)
-        h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
-        grads, dh0 = input_grads(mixer_ir, module, batch, names, tensors, h0c, do, dht, needs)
+        grads, dh0 = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs)
         out = [g if g is not None else t.new_empty(0) for g, t in zip(grads, tensors)]
         return out + [dh0.to(h0.dtype) if dh0 is not None else do.new_empty(0)]
 
