@@ -61,9 +61,30 @@ class Plan:
     chunk_bkt: int = 32  # key tile of the elementwise pairwise sums
     chunk_warps: int = 4
     chunk_stages: int = 1  # the state pass is sequential: deep software pipelining only costs shared memory
+    # the staged forward (chunk_staged.py.jinja): WY stage, state pass, output stage
+    staged: bool = False  # this spec has the staged forward (see staged_reason)
+    staged_reason: str = ""  # why not, for the generated module's header
+    staged_max_k: int = 128  # wider keys take the general kernels
+    staged_chunk: int = 64  # BT of the staged forward
+    staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
+
+    @property
+    def vector_args(self) -> str:
+        """The pointer arguments a per-token-vector helper takes: every input, then every aux state."""
+        return ", ".join([f"in_{l.name}" for l in self.loads] + [aux_ptr(a[0]) for a in self.aux])
+
+    @property
+    def aux_ptrs(self) -> tuple:
+        """(block variable, kind, pointer name) of every auxiliary state."""
+        return tuple((a[0], a[1], aux_ptr(a[0])) for a in self.aux)
 
     def key(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+
+def aux_ptr(block_var: str) -> str:
+    """Pointer name of an auxiliary state's buffer, from its block variable b_<name>."""
+    return "aux_" + block_var[2:] + "_ptr"
 
 
 def plan(m: ir.Mixer) -> Plan:
@@ -92,4 +113,23 @@ def plan(m: ir.Mixer) -> Plan:
         query=code(m.query),
         log_decay=code(sp.expand_log(sp.log(m.decay.value), force=True)),
         chunk_size=16 if m.decay.kind == "diagonal" else 64,
+        staged=not _not_staged(m),
+        staged_reason=_not_staged(m),
     )
+
+
+def _not_staged(m: ir.Mixer) -> str:
+    """Why the staged forward does not cover this spec ("" when it does).
+
+    The staged forward writes the erase as a correction of the value: with a = u (the erase
+    direction is the write key, as in every delta-rule model), (I - a c^T) D S + a z^T
+    = D S + a (z - c^T D S)^T, so one pairwise matrix and one solve give the corrected values."""
+    if m.decay.kind == "diagonal":
+        return "per-key-channel decays take the general kernels"
+    if m.delta is not None and m.delta.order == "right":
+        return "a decay after the erase takes the general kernels"
+    if m.delta is not None and sp.simplify(m.delta.a - m.write.key) != 0:
+        return "the erase direction differs from the write key"
+    if any(i.l2norm and i.kind == "V" for i in m.inputs):
+        return "an L2 norm over the value channels needs whole rows"
+    return ""

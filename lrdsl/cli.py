@@ -13,6 +13,8 @@ EPILOG = """examples:
   lrdsl check examples/gdn2.lr --json          the same as one JSON object
   lrdsl compile examples/gdn2.lr -o build/     write build/gdn2.py, a standalone torch + triton module
   lrdsl fuzz examples/gdn2.lr --examples 20    kernels vs the float64 reference on random cases
+  lrdsl bench examples/gated_deltanet.lr --backward
+                                               GPU: ms, TFLOP/s and memory beside FLA's twin
 """
 
 
@@ -48,7 +50,39 @@ def _parser() -> argparse.ArgumentParser:
                         "initial state with float64 autograd through the reference (rms ratio < tol "
                         "for q, k, v, h0, < 10 tol for the other inputs; recurrent is forward-only "
                         "and not differentiated); default: on")
+    b = sub.add_parser("bench", help="time the chunked kernels on the GPU beside flash-linear-attention's twin")
+    b.add_argument("spec", nargs="+", help="path(s) to .lr spec files")
+    b.add_argument("--shape", default="4,4096,16,128,128", metavar="B,T,H,K,V",
+                   help="batch, tokens, heads, key and value size (default: 4,4096,16,128,128); bf16 inputs")
+    b.add_argument("--backward", action="store_true", help="also time forward + backward and its peak memory")
+    b.add_argument("--no-fla", dest="fla", action="store_false",
+                   help="time lrdsl alone (by default FLA's twin is timed when fla-core is importable)")
     return p
+
+
+def cmd_bench(args) -> int:
+    from .errors import LrdslError
+    try:
+        import torch
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise LrdslError(f"lrdsl bench needs torch and triton: {e}") from None
+    if not torch.cuda.is_available():
+        raise LrdslError("lrdsl bench times GPU kernels, and torch sees no CUDA device")
+    from . import bench
+    try:
+        shape = bench.parse_shape(args.shape)
+    except ValueError as e:
+        raise LrdslError(str(e)) from None
+    from .api import compile
+    rows = []
+    for i, path in enumerate(args.spec):
+        print(f"[{i + 1}/{len(args.spec)}] {path}: compiling, tuning, timing", file=sys.stderr, flush=True)
+        rows.append(bench.bench(compile(path), shape, args.backward, args.fla,
+                                log=lambda s: print(s, file=sys.stderr, flush=True)))
+    print(f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(bench.table(rows))
+    return 0
 
 
 def _load(path: str, check_stability: bool):
@@ -161,7 +195,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return {"show": cmd_show, "check": cmd_check, "compile": cmd_compile,
-                "fuzz": cmd_fuzz}[args.command](args)
+                "fuzz": cmd_fuzz, "bench": cmd_bench}[args.command](args)
     except SpecError as e:
         print(str(e), file=sys.stderr)
         ctx = e.context()

@@ -152,3 +152,38 @@ def test_novel_spec_written_for_the_tests_gpu():
     RESULTS.append(("novel_test_only", "all", errs["o"], max(errs.values())))
     for n, e in errs.items():
         assert e < (5e-3 if n.startswith("o") else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL), (n, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "precond_deltanet", "mamba2"])
+def test_every_staged_config(name):
+    """Each config the autotuner of a staged forward kernel may pick, one kernel at a time (the
+    others at their first config), against the float64 reference, bf16, varlen. Triton on Hopper
+    has miscompiled some (kernel, config) pairs of this shape (FLA #640, #984): none is trusted."""
+    from triton.runtime.autotuner import Autotuner
+    path = next(p for p in EXAMPLES if os.path.basename(p) == name + ".lr")
+    mixer = lrdsl.compile(path)
+    T, H, K, V = 2000, 4, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = draw(mixer, 1, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    cu = torch.tensor([0, 300, 1000, 1937, 2000], device="cuda")
+    h0 = torch.randn(4, H, K, V, generator=gen, device="cuda")
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=h0.double(),
+                                   output_final_state=True, cu_seqlens=cu)
+    tuners = {n: t for n, t in vars(mixer.kernels).items() if n.startswith("staged_") and isinstance(t, Autotuner)}
+    assert tuners, "no staged kernels in the module"
+    saved = {n: (t.configs, dict(t.cache)) for n, t in tuners.items()}
+    try:
+        for n, tuner in tuners.items():
+            for cfg in saved[n][0]:
+                for m, other in tuners.items():
+                    other.configs = [cfg] if m == n else saved[m][0][:1]
+                    other.cache.clear()
+                with torch.no_grad():
+                    o, s = mixer.chunk(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+                eo, es = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
+                RESULTS.append((name, f"{n[7:12]} {cfg.num_warps}w{cfg.num_stages}s{cfg.kwargs.get('BV', '')}", eo, es))
+                assert eo < 5e-3 and es < 5e-3, (n, str(cfg), eo, es)
+    finally:
+        for n, t in tuners.items():
+            t.configs, t.cache = saved[n][0], saved[n][1]

@@ -1,0 +1,222 @@
+"""`lrdsl bench`: time a mixer's chunked kernels on the GPU, beside its FLA twin in the same run.
+
+The twin is flash-linear-attention's op for the same model when the spec is one of the examples,
+else the FLA op of the same canonical shape (erase or not; no, scalar or per-channel decay). Both
+read the same tensors. Times are medians of triton.testing.do_bench; memory is the peak allocated
+above what the inputs hold, during one call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int = 4
+    T: int = 4096
+    H: int = 16
+    K: int = 128
+    V: int = 128
+
+
+def parse_shape(text: str) -> Shape:
+    parts = text.split(",")
+    if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shape takes five positive integers B,T,H,K,V, got {text!r}")
+    return Shape(*(int(p) for p in parts))
+
+
+def draw(mixer, s: Shape, dtype=torch.bfloat16, device="cuda", seed=0) -> dict:
+    """Inputs inside their declared ranges; log-decays in fp32 (as FLA takes them)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for i in mixer.ir.inputs:
+        shape = (s.B, s.T, s.H) + (() if i.kind == "scalar" else ((s.K,) if i.kind == "K" else (s.V,)))
+        x = torch.randn(shape, generator=gen, device=device)
+        if i.log:
+            out[i.name] = F.logsigmoid(x + 3)
+            continue
+        if i.unit and not i.l2norm:
+            x = F.normalize(x, dim=-1)
+        elif math.isfinite(float(i.lo)) and math.isfinite(float(i.hi)):
+            x = float(i.lo) + (float(i.hi) - float(i.lo)) * torch.sigmoid(x)
+        out[i.name] = x.to(dtype)
+    return out
+
+
+def _fla(name: str):
+    import importlib
+    import fla.ops.common.chunk_o as chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated backward on triton 3.6 (#640)
+    path, fn = name.rsplit(".", 1)
+    return getattr(importlib.import_module("fla.ops." + path), fn)
+
+
+def _unit(x):
+    return F.normalize(x.float(), dim=-1).to(x.dtype)
+
+
+# example name -> (FLA op, how it reads the inputs)
+TWINS = {
+    "linear_attention": ("linear_attn.chunk_linear_attn", lambda x: dict(q=x["q"], k=x["k"], v=x["v"], normalize=False)),
+    "retnet": ("retention.chunk_retention", lambda x: dict(q=x["q"], k=x["k"], v=x["v"])),
+    "mamba2": ("simple_gla.chunk_simple_gla", lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"])),
+    "gla": ("gla.chunk_gla", lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"])),
+    "deltanet": ("delta_rule.chunk_delta_rule",
+                 lambda x: dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"], use_qk_l2norm_in_kernel=True)),
+    "gated_deltanet": ("gated_delta_rule.chunk_gated_delta_rule",
+                       lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"],
+                                      use_qk_l2norm_in_kernel=True)),
+    "kda": ("kda.chunk_kda", lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"],
+                                            use_qk_l2norm_in_kernel=True)),
+    "gdn2": ("gdn2.chunk_gdn2", lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], b=x["b"], w=x["w"],
+                                               use_qk_l2norm_in_kernel=True)),
+    "precond_deltanet": ("precond_gated_delta_rule.chunk_precond_gated_delta_rule",
+                         lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g_atk=x["g_atk"], g=x["g"],
+                                        beta_atk=x["beta_atk"], beta=x["beta"], use_qk_l2norm_in_kernel=True)),
+    "precond_kda": ("precond_kda.chunk_precond_kda",
+                    lambda x: dict(q=_unit(x["q"]), k=_unit(x["k"]), v=x["v"], g=x["g"], g_atk=x["g_atk"],
+                                   beta_atk=x["beta_atk"], beta=x["beta"])),
+}
+TWINS["gated_deltanet_negeig"] = TWINS["gated_deltanet"]
+# novel examples: the closest FLA op
+TWINS["channel_gates_scalar_decay"] = ("gdn2.chunk_gdn2", lambda x: dict(
+    q=x["q"], k=x["k"], v=x["v"], g=x["g"][..., None].expand_as(x["k"]).contiguous().float(), b=x["b"], w=x["w"],
+    use_qk_l2norm_in_kernel=True))
+TWINS["gdn2_atk"] = TWINS["gdn2"]
+TWINS["kda_decay_after_erase"] = TWINS["kda"]
+
+
+def twin(mixer):
+    """(FLA op name, a function of the inputs giving its output) or None."""
+    if mixer.name in TWINS:
+        name, args = TWINS[mixer.name]
+    else:  # same canonical shape; fresh gates where the spec has none of FLA's names
+        m, s = mixer.ir, {"identity": "none", "constant": "scalar", "scalar": "scalar", "diagonal": "channel"}
+        key = ("delta" if m.delta else "plain", s[m.decay.kind])
+        name, args = {
+            ("plain", "none"): TWINS["linear_attention"], ("plain", "scalar"): TWINS["mamba2"],
+            ("plain", "channel"): TWINS["gla"], ("delta", "none"): TWINS["deltanet"],
+            ("delta", "scalar"): TWINS["gated_deltanet"], ("delta", "channel"): TWINS["kda"]}[key]
+    try:
+        op = _fla(name)
+    except Exception:  # fla-core not installed, or an older one without this op
+        return None
+
+    def run(x, prenormalised=False):
+        full = dict(x)
+        q, v = x["q"], x["v"]
+        for n, shape in (("g", q.shape[:3]), ("beta", q.shape[:3])):
+            full.setdefault(n, torch.rand(shape, device=q.device) if n == "beta" else
+                            F.logsigmoid(torch.randn(shape, device=q.device) + 3))
+        if name.startswith(("kda", "gla")) and full["g"].dim() == 3:
+            full["g"] = full["g"][..., None].expand_as(q).contiguous()
+        kw = args(full)
+        if prenormalised and "use_qk_l2norm_in_kernel" in kw:
+            kw["use_qk_l2norm_in_kernel"] = False
+        return op(**kw)[0]
+    return name, run
+
+
+def nominal_flop(mixer, s: Shape, bt: int = 64) -> float:
+    """Forward FLOP of the chunked algorithm (per token and head: state read and update 4KV, causal
+    pairwise block BT(K + V); with an erase also the corrected values 2KV and the solve BT(2K + V))."""
+    per = 4 * s.K * s.V + bt * (s.K + s.V)
+    if mixer.ir.delta is not None:
+        per += 2 * s.K * s.V + bt * (2 * s.K + s.V)
+    return float(s.B * s.T * s.H * per)
+
+
+def measure(f, x: dict, s: Shape, backward: bool) -> dict:
+    """Median ms of f(x) (and of forward + backward) and the peak memory above the inputs."""
+    from triton.testing import do_bench
+    out = {}
+    with torch.no_grad():
+        f(x)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        f(x)
+        torch.cuda.synchronize()
+        out["fwd_mem"] = torch.cuda.max_memory_allocated() - base
+        out["fwd_ms"] = do_bench(lambda: f(x), warmup=25, rep=100, return_mode="median")
+    if backward:
+        leaves = [t.requires_grad_() for t in x.values() if t.is_floating_point()]
+        do = torch.randn_like(f(x))
+
+        def step():
+            f(x).backward(do)
+        step()
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        out["bwd_mem"] = torch.cuda.max_memory_allocated() - base
+        out["both_ms"] = do_bench(step, warmup=10, rep=50, return_mode="median", grad_to_none=leaves)
+        for t in leaves:
+            t.requires_grad_(False)
+            t.grad = None
+    return out
+
+
+def bench(mixer, s: Shape, backward: bool = False, with_twin: bool = True, log=print) -> dict:
+    """One row: lrdsl's figures and, when fla-core is importable, its twin's."""
+    x = draw(mixer, s)
+    row = {"mixer": mixer.name, "shape": s, "flop": nominal_flop(mixer, s)}
+    row["lrdsl"] = measure(lambda x: mixer.chunk(**x)[0], x, s, backward)
+    log(f"  {mixer.name}: lrdsl {row['lrdsl']}")
+    tw = twin(mixer) if with_twin else None
+    if tw is not None:
+        row["twin"] = tw[0]
+        try:
+            row["fla"] = measure(tw[1], x, s, backward)
+            log(f"  {mixer.name}: fla {tw[0]} {row['fla']}")
+            if _prenormalisable(mixer):
+                # FLA's separate l2-norm launches can cost more than the op: the anchor is the faster
+                # of FLA with its in-kernel norm and FLA on q, k normalised outside the timed call
+                xn = dict(x, q=_unit(x["q"]), k=_unit(x["k"]))
+                pre = measure(lambda x: tw[1](x, prenormalised=True), xn, s, backward)
+                log(f"  {mixer.name}: fla {tw[0]} on pre-normalised q, k {pre}")
+                for key in ("fwd_ms", "both_ms"):
+                    if key in pre and pre[key] < row["fla"][key]:
+                        row["fla"][key] = pre[key]
+                        row["fla"]["pre_" + key] = True
+        except Exception as e:  # report and go on: one op's failure must not hide the others
+            row["fla_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            log(f"  {mixer.name}: fla failed: {row['fla_error']}")
+    return row
+
+
+def _prenormalisable(mixer) -> bool:
+    names = {i.name: i for i in mixer.ir.inputs}
+    return all(n in names and names[n].l2norm for n in ("q", "k"))
+
+
+def table(rows: list) -> str:
+    """Markdown table of bench rows. A * marks an FLA time taken on q, k normalised outside the call."""
+    gib = 2.0 ** 30
+    head = ("| mixer | shape | lrdsl fwd ms | FLA fwd ms | FLA/lrdsl fwd | lrdsl TFLOP/s | lrdsl f+b ms "
+            "| FLA f+b ms | FLA/lrdsl f+b | lrdsl / FLA f+b extra GiB | FLA op |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        s, ll, ff = r["shape"], r["lrdsl"], r.get("fla", {})
+
+        def ms(d, k):
+            return f"{d[k]:.3f}" if k in d else "-"
+
+        def ratio(k):
+            return f"{ff[k] / ll[k]:.2f}{'*' if ff.get('pre_' + k) else ''}" if k in ff and k in ll else "-"
+        mem = (f"{ll['bwd_mem'] / gib:.2f} / {ff['bwd_mem'] / gib:.2f}" if "bwd_mem" in ll and "bwd_mem" in ff
+               else (f"{ll['bwd_mem'] / gib:.2f} / -" if "bwd_mem" in ll else "-"))
+        tflops = r["flop"] / (ll["fwd_ms"] * 1e-3) / 1e12
+        lines.append(f"| {r['mixer']} | {s.B},{s.T},{s.H},{s.K},{s.V} | {ms(ll, 'fwd_ms')} | {ms(ff, 'fwd_ms')} | "
+                     f"{ratio('fwd_ms')} | {tflops:.0f} | {ms(ll, 'both_ms')} | {ms(ff, 'both_ms')} | "
+                     f"{ratio('both_ms')} | {mem} | {r.get('twin', '-')} |")
+    return "\n".join(lines)
