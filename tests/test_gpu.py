@@ -155,7 +155,7 @@ def test_novel_spec_written_for_the_tests_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
-@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "precond_deltanet", "mamba2"])
+@pytest.mark.parametrize("name", ["deltanet", "kda", "mamba2"])
 def test_every_staged_config(name):
     """Each config the autotuner of a staged forward kernel may pick, one kernel at a time (the
     others at their first config), against the float64 reference, bf16, varlen. Triton on Hopper
