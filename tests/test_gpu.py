@@ -170,14 +170,15 @@ def test_every_staged_config(name):
     h0 = torch.randn(4, H, K, V, generator=gen, device="cuda")
     ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=h0.double(),
                                    output_final_state=True, cu_seqlens=cu)
-    tuners = {n: t for n, t in vars(mixer.kernels).items() if n.startswith("staged_") and isinstance(t, Autotuner)}
-    assert tuners, "no staged kernels in the module"
+    space = mixer.kernels.TUNING_SPACE  # every config, also when LRDSL_AUTOTUNE=0 tunes over one
+    tuners = {n: getattr(mixer.kernels, n) for n in space}
+    assert tuners and all(isinstance(t, Autotuner) for t in tuners.values())
     saved = {n: (t.configs, dict(t.cache)) for n, t in tuners.items()}
     try:
         for n, tuner in tuners.items():
-            for cfg in saved[n][0]:
+            for cfg in space[n]:
                 for m, other in tuners.items():
-                    other.configs = [cfg] if m == n else saved[m][0][:1]
+                    other.configs = [cfg] if m == n else space[m][:1]
                     other.cache.clear()
                 with torch.no_grad():
                     o, s = mixer.chunk(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
