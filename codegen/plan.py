@@ -67,6 +67,7 @@ class Plan:
     staged_max_k: int = 128  # wider keys take the general kernels
     staged_chunk: int = 64  # BT of the staged forward
     staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
+    log_decay_floor: float = -20.0  # see _floored
 
     @property
     def vector_args(self) -> str:
@@ -111,11 +112,21 @@ def plan(m: ir.Mixer) -> Plan:
         write_key=code(m.write.key),
         write_value=code(m.write.value),
         query=code(m.query),
-        log_decay=code(sp.expand_log(sp.log(m.decay.value), force=True)),
+        log_decay=_floored(m),
         chunk_size=16 if m.decay.kind == "diagonal" else 64,
         staged=not _not_staged(m),
         staged_reason=_not_staged(m),
     )
+
+
+def _floored(m: ir.Mixer) -> str:
+    """Triton text of the per-token log-decay, floored: the chunked kernels cumulate it in fp32
+    within a chunk, and one token at -1e8 (or -inf, a reset) would swamp the differences of the
+    tokens after it (or make them nan). What the floor changes is below fp32's resolution."""
+    text = code(sp.expand_log(sp.log(m.decay.value), force=True))
+    if m.decay.kind in ("scalar", "diagonal"):
+        return f"_floor_log({text})"
+    return text
 
 
 def _not_staged(m: ir.Mixer) -> str:

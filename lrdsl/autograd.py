@@ -10,6 +10,7 @@ import sympy as sp
 import torch
 
 from . import ir
+from .codegen.plan import Plan
 from .reference import prepare_inputs, to_torch
 from .tensors import Batch
 
@@ -60,6 +61,9 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
         out["c"] = _full(to_torch(m.delta.c)(env), shp["K"], dtype, dev)
     if m.decay.kind != "identity":
         gl = to_torch(log_decay(m))(env)
+        if m.decay.kind in ("scalar", "diagonal"):  # the kernels' floor (codegen.plan._floored)
+            floor = Plan.log_decay_floor
+            gl = torch.where(gl < floor, torch.full_like(gl, floor), gl)
         out["gl"] = _full(gl, shp["K"], dtype, dev) if m.decay.kind == "diagonal" else \
             _full(gl, shp["scalar"], dtype, dev)[..., 0]
     return out

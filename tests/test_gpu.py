@@ -188,3 +188,30 @@ def test_every_staged_config(name):
     finally:
         for n, t in tuners.items():
             t.configs, t.cache = saved[n][0], saved[n][1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["gated_deltanet", "mamba2", "kda"])
+def test_strong_decays_gpu(name):
+    """Log-decays of -1e8 and -inf at single tokens (bf16 inputs, fp32 gates): chunk forward and
+    backward against the float64 reference, same limits as the examples."""
+    path = next(p for p in EXAMPLES if os.path.basename(p) == name + ".lr")
+    mixer = lrdsl.compile(path)
+    B, T, H, K, V = 1, 1000, 2, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    x["g"] = x["g"].float()
+    x["g"][0, 100] = -1e8
+    x["g"][0, 555] = float("-inf")
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda")
+    ref_leaves = {n: t.double().requires_grad_() for n, t in x.items()}
+    ref_o, ref_s = mixer.reference(**ref_leaves, output_final_state=True)
+    (ref_o * do.double()).sum().backward()
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, s = mixer.chunk(**leaves, output_final_state=True)
+    (o.double() * do.double()).sum().backward()
+    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s),
+            **{"d" + n: rms_ratio(leaves[n].grad, ref_leaves[n].grad) for n in x}}
+    RESULTS.append((name, "g=-1e8,-inf", errs["o"], max(errs.values())))
+    for n, e in errs.items():
+        assert e < (5e-3 if n in ("o", "S") else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL), (n, e)
