@@ -71,7 +71,11 @@ def load(m: ir.Mixer):
     spec = importlib.util.spec_from_file_location(mod_name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = mod
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:  # a broken module must leave no trace: the next load tries again
+        sys.modules.pop(mod_name, None)
+        raise
     if os.environ.get("LRDSL_AUTOTUNE", "1") == "0" and hasattr(mod, "use_first_configs"):
         mod.use_first_configs()
     return mod

@@ -154,3 +154,21 @@ def test_staged_forward_for_per_channel_decays(name, tmp_path):
     ref_o, ref_s = reference(mixer, x, dict(opts, scale=case.K ** -0.5))
     e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
     assert e_o < TOL and e_s < TOL, f"{name}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
+
+
+NAMES_LIKE_THE_KERNELS = """
+mixer names_like_the_kernels
+input q[K] l2norm, k[K] l2norm, v[V], gl log, u in (0, 1), c[K] in [0, 1], r[K] in [0, 1]
+S = (I - (u*k) (r*k)^T) exp(gl) S + (u*k) v^T
+o = S^T (c*q)
+"""
+
+
+def test_spec_names_like_the_kernels_own_variables():
+    """Inputs named as the generated helpers' results (u, c, r, gl) must not be overwritten by them."""
+    mixer = lrdsl.compile(text=NAMES_LIKE_THE_KERNELS)
+    x, opts = draw_inputs(mixer, Case(B=1, T=70, H=1, HV=2, K=16, V=16, initial_state=True, seed=12), DEVICE)
+    with torch.no_grad():
+        o, s = mixer.chunk(**x, **opts)
+    ref_o, ref_s = reference(mixer, x, opts)
+    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL

@@ -312,3 +312,40 @@ def test_concurrent_writers_leave_a_whole_module(tmp_path):
     text = path.read_text()
     compile(text, str(path), "exec")
     assert text == runtime.generate(lrdsl.compile(ROOT / "examples" / "kda.lr").ir)
+
+
+AUX_NAMES = """
+mixer aux_names
+input q[K] l2norm, k[K] l2norm, v[V], g log, beta in (0, 1), a1 log shared, a2 log shared
+state xb_y[K] = exp(a1) * xb_y + k * k
+state xaux_y[K] = exp(a2) * xaux_y + xb_y * k * k
+S = (I - beta (xaux_y * k) k^T) exp(g) S + beta (xaux_y * k) v^T
+o = S^T q
+"""
+
+
+def test_auxiliary_state_names_do_not_collide_in_generated_code():
+    """`xb_y` and `xaux_y` once mapped to the same pointer name; forward and gradients now match."""
+    mixer = lrdsl.compile(text=AUX_NAMES, check_stability=False)
+    x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=16, seed=13), "cpu")
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, _ = mixer.chunk(**leaves, **opts)
+    do = torch.randn_like(o)
+    (o * do).sum().backward()
+    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    ref_o, _ = mixer.reference(**ref, **opts)
+    (ref_o * do.double()).sum().backward()
+    assert rms_ratio(o, ref_o) < TOL
+    assert all(rms_ratio(leaves[n].grad, ref[n].grad) < 10 * TOL for n in x)
+
+
+def test_a_module_that_fails_to_load_leaves_no_trace(monkeypatch):
+    mixer = lrdsl.compile(ROOT / "examples" / "mamba2.lr", load_kernels=False)
+    good = runtime.generate(mixer.ir)
+    monkeypatch.setattr(runtime, "generate", lambda m: good + "\nraise RuntimeError('broken on import')\n")
+    before = set(sys.modules)
+    with pytest.raises(RuntimeError, match="broken on import"):
+        runtime.load(mixer.ir)
+    assert set(sys.modules) == before
+    monkeypatch.setattr(runtime, "generate", lambda m: good)
+    assert hasattr(runtime.load(mixer.ir), "chunk")
