@@ -349,3 +349,34 @@ def test_a_module_that_fails_to_load_leaves_no_trace(monkeypatch):
     assert set(sys.modules) == before
     monkeypatch.setattr(runtime, "generate", lambda m: good)
     assert hasattr(runtime.load(mixer.ir), "chunk")
+
+
+def test_written_module_refuses_tensors_that_do_not_fit(compiled_dir):
+    """The module of `lrdsl compile -o` checks its inputs itself: wrong shapes once read past the
+    end of tensors and returned finite garbage."""
+    import importlib.util
+    _, path = compiled_dir["gated_deltanet"]
+    spec = importlib.util.spec_from_file_location("standalone_gated_deltanet", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    B, T, H, K, V = 2, 20, 2, 16, 16
+    good = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V),
+                g=-torch.rand(B, T, H), beta=torch.rand(B, T, H))
+    o, _ = mod.chunk(**good)
+    assert o.shape == (B, T, H, V) and torch.isfinite(o).all()
+    bad_cases = [
+        (dict(good, g=-torch.rand(B, T)), "g must be"),
+        (dict(good, beta=torch.rand(B, T, H, K)), "beta must be"),
+        (dict(good, v=torch.randn(B, T + 1, H, V)), "q must be"),
+        (dict(good, k=torch.randn(B, T, H, K).to(torch.int32)), "floating-point"),
+    ]
+    for kwargs, message in bad_cases:
+        for fn in (mod.chunk, mod.recurrent):
+            with pytest.raises((ValueError, TypeError), match=message):
+                fn(**kwargs)
+    with pytest.raises(ValueError, match="initial_state"):
+        mod.chunk(**good, initial_state=torch.zeros(B, H, K, V + 1))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        mod.chunk(**{n: t[:1] for n, t in good.items()}, cu_seqlens=torch.tensor([0, 5, T + 3]))
+    with pytest.raises(ValueError, match="scale"):
+        mod.chunk(**good, scale=float("nan"))
