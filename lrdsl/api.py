@@ -127,13 +127,16 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
 
     Loading here, not at the first call, keeps code generation out of torch.compile's tracing."""
     if (path is None) == (text is None):
-        raise TypeError("lrdsl.compile takes a path or text=..., not both")
+        raise TypeError("lrdsl.compile takes exactly one of a path and text=...")
+    if text is not None and not isinstance(text, (str, bytes, bytearray)):
+        raise TypeError(f"lrdsl.compile(text=...) takes the spec as str or bytes, not {type(text).__name__}")
     filename = "<spec>"
     if path is not None:
         filename = os.fspath(path)
         try:
-            with open(filename, "rb") as f:
-                text = f.read()
+            with open(filename, "rb") as f:  # bounded: /dev/zero or a huge file must not hang
+                from .syntax import MAX_BYTES
+                text = f.read(MAX_BYTES + 1)
         except OSError as e:
             raise SpecError(f"cannot read the spec: {e.strerror}", None, None, filename) from None
     source = text if isinstance(text, str) else ""

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from . import ir, printer
@@ -58,16 +59,42 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+_FALLBACK: list = []  # a private cache folder for this process, made on the first cache fault
+
+
+def _cached(folder: Path, name: str, source: str) -> Path:
+    """The module file in folder, (re)written unless it already holds exactly source. A file that
+    is not the source (stale, truncated, not UTF-8) is rewritten; faults raise OSError."""
+    path = folder / name
+    try:
+        current = path.read_bytes() if path.is_file() else None
+    except OSError:
+        current = None
+    if current != source.encode():
+        write_atomic(path, source)
+    return path
+
+
+def _module_file(name: str, source: str) -> Path:
+    try:
+        return _cached(cache_dir(), name, source)
+    except OSError as e:  # a file in the way, no permission, a folder where the module goes
+        if not _FALLBACK:
+            _FALLBACK.append(Path(tempfile.mkdtemp(prefix="lrdsl-cache-")))
+            warnings.warn(f"lrdsl: cannot use the kernel cache {cache_dir()} ({e.strerror or e}); "
+                          f"this process uses {_FALLBACK[0]} instead (set LRDSL_CACHE_DIR to a "
+                          "writable folder)", RuntimeWarning, stacklevel=3)
+        return _cached(_FALLBACK[0], name, source)
+
+
 def load(m: ir.Mixer):
     """Generate (or find in the cache) and import the kernels module of a mixer."""
     source = generate(m)
     key = module_key(m, source)
-    path = cache_dir() / f"{m.name}_{key}.py"
-    if not path.exists() or path.read_text() != source:
-        write_atomic(path, source)
     mod_name = f"lrdsl_generated_{m.name}_{key}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
+    path = _module_file(f"{m.name}_{key}.py", source)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = mod

@@ -1,0 +1,66 @@
+"""A careless or hostile user: huge spec files, non-text specs, cache faults. Each gets a clear
+error or a correct result, never a traceback or a hang."""
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import lrdsl
+from lrdsl import runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spec(name: str) -> str:
+    return f"mixer {name}\ndecay scalar g\ngain none\n"
+
+
+def test_check_of_an_endless_file_stops_at_the_size_limit():
+    proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "check", "/dev/zero"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "bytes" in proc.stderr and "at most" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("text", [123, ["mixer x"], 4.5])
+def test_compile_of_something_that_is_not_text(text):
+    with pytest.raises(TypeError, match="str or bytes"):
+        lrdsl.compile(text=text)
+
+
+def _load_fresh(name, monkeypatch, cache):
+    monkeypatch.setenv("LRDSL_CACHE_DIR", str(cache))
+    monkeypatch.setattr(runtime, "_FALLBACK", [])
+    m = lrdsl.compile(text=spec(name), load_kernels=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mod = runtime.load(m.ir)
+    return m, mod, [w for w in caught if "kernel cache" in str(w.message)]
+
+
+def test_cache_dir_that_is_a_file_falls_back_with_one_warning(tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    _, mod, warned = _load_fresh("cache_fault_file", monkeypatch, blocker)
+    assert hasattr(mod, "chunk") and len(warned) == 1
+    assert blocker.read_text() == "x"
+
+
+def test_cached_module_that_is_not_utf8_is_rewritten(tmp_path, monkeypatch):
+    m = lrdsl.compile(text=spec("cache_fault_bytes"), load_kernels=False)
+    source = runtime.generate(m.ir)
+    path = tmp_path / f"{m.name}_{runtime.module_key(m.ir, source)}.py"
+    path.write_bytes(b"\xff\xfe garbage")
+    _, mod, warned = _load_fresh("cache_fault_bytes", monkeypatch, tmp_path)
+    assert hasattr(mod, "chunk") and not warned
+    assert path.read_text() == source
+
+
+def test_a_folder_where_the_module_goes_falls_back(tmp_path, monkeypatch):
+    m = lrdsl.compile(text=spec("cache_fault_dir"), load_kernels=False)
+    source = runtime.generate(m.ir)
+    (tmp_path / f"{m.name}_{runtime.module_key(m.ir, source)}.py").mkdir()
+    _, mod, warned = _load_fresh("cache_fault_dir", monkeypatch, tmp_path)
+    assert hasattr(mod, "chunk") and len(warned) == 1
