@@ -124,6 +124,7 @@ def cmd_compile(args) -> int:
     m = _load(args.spec, check_stability=True)
     source = generate(m.ir)
     path = Path(args.output) / f"{m.name}.py"
+    _refuse_shadowing(m.name, path)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise LrdslError(f"cannot write into {args.output}: it is not a directory")
     try:
@@ -132,6 +133,23 @@ def cmd_compile(args) -> int:
         raise LrdslError(f"cannot write {path}: {e.strerror or e}") from None
     print(path)
     return 0
+
+
+def _refuse_shadowing(name: str, path) -> None:
+    """<name>.py must not shadow a module importable here (a package such as mpmath, not only the
+    standard library, which the front end refuses everywhere)."""
+    import importlib.util
+    from pathlib import Path
+
+    from .errors import LrdslError
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    origin = getattr(found, "origin", None)
+    if found is not None and (origin is None or Path(origin).resolve() != Path(path).resolve()):
+        raise LrdslError(f"the mixer name '{name}' is the name of an importable module ({origin or 'a package'}), "
+                         f"which {path} would shadow; rename the mixer")
 
 
 class _ProgressBar:

@@ -64,3 +64,23 @@ def test_a_folder_where_the_module_goes_falls_back(tmp_path, monkeypatch):
     (tmp_path / f"{m.name}_{runtime.module_key(m.ir, source)}.py").mkdir()
     _, mod, warned = _load_fresh("cache_fault_dir", monkeypatch, tmp_path)
     assert hasattr(mod, "chunk") and len(warned) == 1
+
+
+@pytest.mark.parametrize("name", ["mpmath", "typing_extensions", "hypothesis"])
+def test_compile_refuses_a_name_that_would_shadow_an_installed_module(name, tmp_path):
+    path = tmp_path / "s.lr"
+    path.write_text(spec(name))
+    proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "compile", str(path), "-o", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "shadow" in proc.stderr, proc.stderr
+    assert not (tmp_path / f"{name}.py").exists()
+
+
+def test_compile_again_into_the_same_folder_is_not_shadowing(tmp_path):
+    """A module written earlier by `lrdsl compile` may be importable (the folder on sys.path)."""
+    path = tmp_path / "s.lr"
+    path.write_text(spec("written_twice"))
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "compile", str(path), "-o", "."],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
