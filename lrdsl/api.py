@@ -87,6 +87,9 @@ class Mixer:
         state is the float32 [B, HV, K, V] state (contiguous); returns o [B, T, HV, V]. Each program
         reads its tile of the state before it writes it back, so no copy is made."""
         import torch
+        if not isinstance(state, torch.Tensor):
+            raise InputError("step() updates a state in place: pass state=, a contiguous float32 tensor "
+                             f"[B, HV, K, V] (zeros to start), not {type(state).__name__}")
         batch = validate(self.ir, q, k, v, inputs, scale, state, True, None)
         if state.dtype != torch.float32 or not state.is_contiguous():
             raise InputError("step() updates the state in place: it must be a contiguous float32 tensor "

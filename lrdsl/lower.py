@@ -439,9 +439,27 @@ def lower(spec: Spec) -> ir.Mixer:
         if any(lw.kinds.get(str(sym)) == "V" for sym in out.lam.free_symbols):
             raise SpecError("the regulariser of the solve runs over key channels (K), not value channels",
                             readout.span)
-    return ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
-                    "unstable" in allow, solve_lam=out.lam, update_span=update.span,
-                    readout_span=readout.span)
+    m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
+                 "unstable" in allow, solve_lam=out.lam, update_span=update.span,
+                 readout_span=readout.span)
+    _check_constants(m, update.span)
+    return m
+
+
+FLOAT32_MAX = sp.Float(3.4028234663852886e38)
+
+
+def _check_constants(m: ir.Mixer, span) -> None:
+    """Constants (after folding, e.g. 1e300*1e300) must fit float32, in which the kernels compute."""
+    exprs = [m.decay.value, m.write.key, m.write.value, m.query, *(a.decay for a in m.aux),
+             *(a.write for a in m.aux), *(lt.expr for lt in m.lets)]
+    if m.delta is not None:
+        exprs += [m.delta.a, m.delta.c]
+    for e in exprs:
+        for n in sp.sympify(e).atoms(sp.Number):
+            if n.is_finite is False or n == sp.nan or abs(n) > FLOAT32_MAX:
+                raise SpecError(f"the constant {sp.N(n, 3)} is beyond float32's range (+-3.4e38), in which "
+                                "the kernels compute; use a smaller constant", span)
 
 
 def _input(lw: Lowerer, d) -> ir.Input:

@@ -6,6 +6,7 @@ channel inputs [B, T, HV, V]; states [N, HV, K, V]; with cu_seqlens ([N + 1], in
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,9 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
     for name, t in given.items():
         if not isinstance(t, torch.Tensor):
             raise InputError(f"input {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_meta:
+            raise InputError(f"input {name!r} is a meta tensor (shape only, no data); the mixers compute "
+                             "on real tensors")
         if not t.is_floating_point():
             raise InputError(f"input {name!r} must be a floating-point tensor, got {t.dtype}")
         if t.device != q.device:
@@ -94,6 +98,8 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         raise InputError(f"v has {HV} heads, which is not a multiple of the {H} heads of q and k")
     if min(K, V) < 1:
         raise InputError(f"K and V must be at least 1, got K={K}, V={V}")
+    if B < 1:
+        raise InputError("the batch is empty (B = 0); give at least one sequence")
     for name, t in given.items():
         want = expected_shape(declared[name], B, T, H, HV, K, V)
         if tuple(t.shape) != want:
@@ -120,6 +126,8 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         scale = K ** -0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise InputError(f"scale must be a number or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise InputError(f"scale must be a finite number, got {scale}")
     return Batch(given, B, T, H, HV, K, V, float(scale), initial_state, bool(output_final_state), cu_seqlens)
 
 

@@ -84,3 +84,48 @@ def test_compile_again_into_the_same_folder_is_not_shadowing(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "compile", str(path), "-o", "."],
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def gdn():
+    import os
+    assert os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("LRDSL_TEST_DEVICE") == "cuda"
+    return lrdsl.compile(ROOT / "examples" / "gated_deltanet.lr")
+
+
+def _inputs(B=1, T=8, H=1, K=16, V=16):
+    import torch
+    return dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V),
+                g=-torch.rand(B, T, H), beta=torch.rand(B, T, H))
+
+
+@pytest.mark.parametrize("path", ["reference", "chunk", "recurrent"])
+@pytest.mark.parametrize("case", ["scale nan", "scale inf", "meta", "empty batch"])
+def test_bad_tensors_get_one_clear_error(gdn, path, case):
+    from lrdsl.errors import InputError
+    x, kw = _inputs(), {}
+    if case.startswith("scale"):
+        kw["scale"] = float(case.split()[1])
+    elif case == "meta":
+        x = {n: t.to("meta") for n, t in x.items()}
+    else:
+        x = {n: t[:0] for n, t in x.items()}
+    with pytest.raises(InputError):
+        getattr(gdn, path)(**x, **kw)
+
+
+def test_step_without_a_state(gdn):
+    from lrdsl.errors import InputError
+    with pytest.raises(InputError, match="state"):
+        gdn.step(**_inputs(T=1), state=None)
+
+
+@pytest.mark.parametrize("text,where", [
+    ("mixer ovf\\ninput q[K], k[K], v[V]\\nS = S + (1e39*k) v^T\\no = S^T q\\n", ":3:"),
+    ("mixer ovf\\ndecay constant 1e300*1e300\\ngain none\\n", ""),
+])
+def test_constants_beyond_float32_are_spec_errors(text, where):
+    from lrdsl.errors import SpecError
+    with pytest.raises(SpecError, match="float32") as e:
+        lrdsl.compile(text=text.encode().decode("unicode_escape"), load_kernels=False)
+    assert where in str(e.value)
