@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from lrdsl import ir, printer
+from lrdsl.symbolic import simplified
 
 from .texpr import code, var
 
@@ -142,7 +143,7 @@ def _not_staged(m: ir.Mixer) -> str:
         return "per-key-channel decays take the general kernels"
     if m.delta is not None and m.delta.order == "right":
         return "a decay after the erase takes the general kernels"
-    if m.delta is not None and sp.simplify(m.delta.a - m.write.key) != 0:
+    if m.delta is not None and simplified(m.delta.a - m.write.key) != 0:
         return "the erase direction differs from the write key"
     if any(i.l2norm and i.kind == "V" for i in m.inputs):
         return "an L2 norm over the value channels needs whole rows"

@@ -13,6 +13,7 @@ import numpy as np
 import sympy as sp
 
 from . import ir
+from .symbolic import simplified
 
 INF = float("inf")
 FULL = (-INF, INF)
@@ -161,10 +162,10 @@ def analyse(mixer: ir.Mixer) -> dict:
     out.update(a=a, c=c)
     shape = "(I - a c^T) D" if mixer.delta.order == "left" else "D (I - a c^T)"
     notes.append(f"M = {shape} with a = {mixer.delta.a}, c = {mixer.delta.c}, D = {d} ({dname}).")
-    out["symmetric"] = not _per_channel(mixer, sp.simplify(a / c))
+    out["symmetric"] = not _per_channel(mixer, simplified(a / c))
     # c^T a = sum_i w_i u_i^2 with |u| = 1 is a convex combination of the w_i: the whole trick
     for u in (i for i in mixer.inputs if i.unit):
-        w = sp.simplify(c * a / u.symbol ** 2)
+        w = simplified(c * a / u.symbol ** 2)
         if not w.has(u.symbol):
             W = rg.of(w)
             F = (min(1.0, 1 - W[1]), max(1.0, 1 - W[0]))
@@ -339,7 +340,7 @@ def _solve_well_posed(mixer: ir.Mixer, notes: list) -> bool:
     the matrix positive definite."""
     rng = Ranges(mixer)
     lam_lo = rng.of(_inline_lets(mixer, mixer.solve_lam))[0]
-    ratio = sp.simplify(_inline_lets(mixer, mixer.write.key) / ir.symbol("k"))
+    ratio = simplified(_inline_lets(mixer, mixer.write.key) / ir.symbol("k"))
     per_head = not _per_channel(mixer, ratio)
     psd = bool(per_head and rng.of(ratio)[0] >= 0 and rng.of(mixer.decay.value)[0] >= 0)
     lam_in = next((i for i in mixer.inputs if i.symbol == mixer.solve_lam), None)

@@ -19,6 +19,7 @@ import sympy as sp
 from . import ir
 from .desugar import desugar
 from .errors import SpecError
+from .symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
 from .syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Readout, Spec, StateDecl, Transpose, Update,
                      Var)
 
@@ -384,6 +385,7 @@ def lower(spec: Spec) -> ir.Mixer:
     spec = desugar(spec)
     lw = Lowerer()
     inputs, aux, lets = [], [], []
+    inlined = {}  # let name -> its expression in inputs and states (sympy folds what it can)
     update = readout = None
     allow = set()
     for st in spec.statements:
@@ -400,6 +402,13 @@ def lower(spec: Spec) -> ir.Mixer:
             val = lw.expr(st.expr)
             if not isinstance(val, Val):
                 raise SpecError(f"a let names an elementwise value; this one is {_desc(val)}", st.span)
+            uses = {s: inlined[s.name] for s in val.expr.free_symbols if s.name in inlined}
+            inlined[st.name] = val.expr.xreplace(uses)
+            depth = inlined_depth(inlined[st.name])
+            if depth > MAX_INLINED_DEPTH:
+                raise SpecError(f"with the lets it uses substituted, this expression nests {depth} levels "
+                                f"deep; lrdsl analyses at most {MAX_INLINED_DEPTH}: write the chain in fewer "
+                                "steps", st.span)
             lw.declare(st.name, val.kind, st.span, "let name")
             lets.append(ir.Let(st.name, val.kind, val.expr, st.span))
         elif isinstance(st, Update):
@@ -442,24 +451,8 @@ def lower(spec: Spec) -> ir.Mixer:
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, update_span=update.span,
                  readout_span=readout.span)
-    _check_constants(m, update.span)
+    check_constants(m, update.span)
     return m
-
-
-FLOAT32_MAX = sp.Float(3.4028234663852886e38)
-
-
-def _check_constants(m: ir.Mixer, span) -> None:
-    """Constants (after folding, e.g. 1e300*1e300) must fit float32, in which the kernels compute."""
-    exprs = [m.decay.value, m.write.key, m.write.value, m.query, *(a.decay for a in m.aux),
-             *(a.write for a in m.aux), *(lt.expr for lt in m.lets)]
-    if m.delta is not None:
-        exprs += [m.delta.a, m.delta.c]
-    for e in exprs:
-        for n in sp.sympify(e).atoms(sp.Number):
-            if n.is_finite is False or n == sp.nan or abs(n) > FLOAT32_MAX:
-                raise SpecError(f"the constant {sp.N(n, 3)} is beyond float32's range (+-3.4e38), in which "
-                                "the kernels compute; use a smaller constant", span)
 
 
 def _input(lw: Lowerer, d) -> ir.Input:
@@ -506,7 +499,7 @@ def _aux(lw: Lowerer, st: StateDecl, kind: str, lets) -> ir.Aux:
                         f"not {_desc(val)}", st.span)
     e = sp.expand(val.expr)
     decay = sp.diff(e, p)
-    write = sp.simplify(e - decay * p)
+    write = simplified(e - decay * p)
     if decay.has(p) or write.has(p):
         raise SpecError(f"state {st.name} must be first order: {st.name} = a * {st.name} + b with a and b "
                         f"free of {st.name}", st.span)
@@ -529,7 +522,7 @@ def _transition(lw: Lowerer, update: Update):
         else:
             outers.append((t[1], t[2]))
     outers = _combine(outers, lw, span, "transition")
-    d = sp.simplify(diag) if diag.has(sp.Abs) else sp.factor_terms(diag)
+    d = simplified(diag) if diag.has(sp.Abs) else sp.factor_terms(diag)
     if d == 0:
         raise SpecError("the transition has no diagonal part (no I, diag(...) or scalar times S); the "
                         "accepted forms are (I - a c^T) D S and D (I - a c^T) S", span)
@@ -574,17 +567,17 @@ def _combine(pairs, lw, span, what):
     out = []
     for u, c in pairs:
         for i, (u2, c2) in enumerate(out):
-            r = sp.simplify(c / c2)
+            r = simplified(c / c2)
             if _per_head(r, lw):
                 out[i] = (sp.factor_terms(u2 + u * r), c2)
                 break
-            r = sp.simplify(u / u2)
+            r = simplified(u / u2)
             if _per_head(r, lw):
                 out[i] = (u2, sp.factor_terms(c2 + c * r))
                 break
         else:
             out.append((u, c))
-    out = [(u, c) for u, c in out if sp.simplify(u) != 0 and sp.simplify(c) != 0]
+    out = [(u, c) for u, c in out if simplified(u) != 0 and simplified(c) != 0]
     if len(out) > 1:
         form = " + ".join(f"({u}) ({c})^T" for u, c in out)
         raise SpecError(f"the {what} has {len(out)} independent rank-1 terms ({form}); lrdsl compiles one "

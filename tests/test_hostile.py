@@ -129,3 +129,45 @@ def test_constants_beyond_float32_are_spec_errors(text, where):
     with pytest.raises(SpecError, match="float32") as e:
         lrdsl.compile(text=text.encode().decode("unicode_escape"), load_kernels=False)
     assert where in str(e.value)
+
+
+def _chain(n, step):
+    lines = ["mixer chain", "input q[K], k[K] l2norm, v[V], b in (0, 1)", "let x0 = b"]
+    lines += [f"let x{i} = " + step.format(p=f"x{i - 1}") for i in range(1, n)]
+    return "\n".join(lines + [f"S = (I - (0.5*x{n - 1}*k) k^T) S + k v^T", "o = S^T q"]) + "\n"
+
+
+@pytest.mark.parametrize("step", ["{p}*b + 0.5", "sigmoid({p})"])
+def test_a_let_chain_too_deep_to_analyse_is_refused_where_it_gets_too_deep(step):
+    from lrdsl.errors import SpecError
+    with pytest.raises(SpecError, match="levels deep") as e:
+        lrdsl.compile(text=_chain(2000, step), load_kernels=False)
+    line = int(str(e.value).split(":")[1])
+    assert 10 < line < 100  # the let where the depth passed the cap, not the end of the file
+
+
+def test_a_long_chain_that_folds_compiles():
+    m = lrdsl.compile(text=_chain(2000, "{p}*0.5 + 0.25"), load_kernels=False)
+    assert m.check()["stable"]
+
+
+def test_simplify_never_sees_deeply_nested_functions(monkeypatch):
+    """sympy.simplify takes time exponential in nested functions (8 nested sigmoids: 30 s);
+    the front end, checker and plan call it only on shallow expressions."""
+    import sympy as sp
+
+    from lrdsl import symbolic
+    real, seen = sp.simplify, []
+
+    def spy(e, *a, **k):
+        seen.append(symbolic.nesting(sp.sympify(e)))
+        return real(e, *a, **k)
+    monkeypatch.setattr(sp, "simplify", spy)
+    e = "b"
+    for _ in range(8):
+        e = f"sigmoid({e})"
+    text = f"mixer deep\ninput q[K], k[K] l2norm, v[V], b in (0, 1)\nS = (I - (0.5*{e}*k) k^T) S + k v^T\no = S^T q\n"
+    from lrdsl.codegen.plan import plan
+    m = lrdsl.compile(text=text, load_kernels=False)
+    plan(m.ir)
+    assert seen and max(seen) <= symbolic.MAX_SIMPLIFY_NESTING
