@@ -13,7 +13,7 @@ import sympy as sp
 from lrdsl import ir, printer
 from lrdsl.symbolic import simplified
 
-from .texpr import code, var
+from .texpr import code, number, var
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class Load:
     kind: str  # "scalar" | "K" | "V"
     shared: bool  # indexed by key head (H) instead of value head (HV)
     l2norm: bool
+    lo: str = ""  # declared range as Triton literals ("" where unbounded): values outside are
+    hi: str = ""  # clamped into it, on every path (the reference too)
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,20 @@ class Plan:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
 
+def _bounds(i: ir.Input) -> tuple:
+    """The declared range of an input as literals; none for normalised or unit inputs."""
+    if i.l2norm or i.unit:
+        return "", ""
+    return tuple(number(b) if b.is_finite else "" for b in (i.lo, i.hi))
+
+
 def aux_ptr(block_var: str) -> str:
     """Pointer name of an auxiliary state's buffer, from its block variable b_<name>."""
     return "aux_" + block_var[2:] + "_ptr"
 
 
 def plan(m: ir.Mixer) -> Plan:
-    loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm) for i in m.inputs)
+    loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm, *_bounds(i)) for i in m.inputs)
     exprs = [m.decay.value, m.write.key, m.write.value, m.query]
     exprs += [a.decay for a in m.aux] + [a.write for a in m.aux] + [lt.expr for lt in m.lets]
     if m.delta:

@@ -7,17 +7,20 @@ from functools import cached_property
 from . import ir, printer
 from .errors import InputError, SpecError
 from .frontend import spec_to_ir
-from .tensors import validate
+from .tensors import assert_in_ranges, validate
 
 
 class Mixer:
     """A compiled spec. `reference` is the exact token loop; `check` the eigenvalue facts."""
 
     def __init__(self, mixer_ir: ir.Mixer, source: str = "", filename: str = "<spec>",
-                 keep_intermediates: bool = False):
+                 keep_intermediates: bool = False, check_ranges: bool = False):
         self.ir = mixer_ir
         # the chunked backward recomputes the forward's intermediates unless asked to keep them
         self.keep_intermediates = keep_intermediates
+        # inputs outside their declared ranges are clamped into them on every path; with
+        # check_ranges every call also asserts they are inside (device-side on a GPU)
+        self.check_ranges = check_ranges
         self._kernels = None
         self._op = None
         self.source = source
@@ -72,6 +75,8 @@ class Mixer:
         Forward only: it is the decode path; train through `chunk`."""
         import torch
         batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        if self.check_ranges:
+            assert_in_ranges(self.ir, batch)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in [*batch.tensors.values(), initial_state]):
             raise InputError("mixer.recurrent is forward-only (the decode path): call it under "
@@ -91,6 +96,8 @@ class Mixer:
             raise InputError("step() updates a state in place: pass state=, a contiguous float32 tensor "
                              f"[B, HV, K, V] (zeros to start), not {type(state).__name__}")
         batch = validate(self.ir, q, k, v, inputs, scale, state, True, None)
+        if self.check_ranges:
+            assert_in_ranges(self.ir, batch)
         if state.dtype != torch.float32 or not state.is_contiguous():
             raise InputError("step() updates the state in place: it must be a contiguous float32 tensor "
                              f"[B, HV, K, V], got {state.dtype}" + ("" if state.is_contiguous() else
@@ -105,6 +112,8 @@ class Mixer:
               cu_seqlens=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference."""
         batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        if self.check_ranges:
+            assert_in_ranges(self.ir, batch)
         from . import autograd
         tensors = [batch.tensors[i.name] for i in self.ir.inputs]
         if self.keep_intermediates:
@@ -119,14 +128,19 @@ class Mixer:
         """o [B, T, HV, V] and the final state [N, HV, K, V] (None unless output_final_state)."""
         from .reference import scan
         batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        if self.check_ranges:
+            assert_in_ranges(self.ir, batch)
         return scan(self.ir, batch)
 
 
 def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None = None,
             check_stability: bool = True, keep_intermediates: bool = False,
-            load_kernels: bool = True) -> Mixer:
+            load_kernels: bool = True, check_ranges: bool = False) -> Mixer:
     """Parse, lower and check a spec, then generate and load its kernels (when triton is
     installed). Raises SpecError (with line and column) for any mistake in the spec.
+
+    Inputs outside their declared ranges are clamped into them, the same on every path;
+    check_ranges=True also asserts on every call that they are inside (device-side on a GPU).
 
     Loading here, not at the first call, keeps code generation out of torch.compile's tracing."""
     if (path is None) == (text is None):
@@ -146,7 +160,11 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
     m = spec_to_ir(text, filename)
     if isinstance(text, bytes):
         source = text.decode("utf-8")  # spec_to_ir succeeded, so it is UTF-8
-    mixer = Mixer(m, source, filename, keep_intermediates)
+    from .checker import domain_error
+    bad = domain_error(m)
+    if bad:
+        raise SpecError(bad[0], bad[1], source, filename)
+    mixer = Mixer(m, source, filename, keep_intermediates, check_ranges)
     if check_stability:
         from .checker import stability_error
         msg = stability_error(m, mixer._facts)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import sympy as sp
 
-from . import ir
+from . import ir, printer
 from .symbolic import simplified
 
 INF = float("inf")
@@ -125,6 +125,31 @@ class Ranges:
             x = self.of(e.args[1])[1]  # m lies in (1/x, x) whatever P is
             return (1 / x, x) if x >= 1 else FULL
         return FULL
+
+
+def domain_error(mixer: ir.Mixer):
+    """(message, span) for a log, square root or fractional power whose argument's range, from the
+    declared input ranges, reaches below 0 (nan for some admissible inputs); None if there is none."""
+    ranges = Ranges(mixer)
+    parts = [(lt.expr, lt.span) for lt in mixer.lets] + [(a.decay, a.span) for a in mixer.aux]
+    parts += [(a.write, a.span) for a in mixer.aux]
+    body = [mixer.decay.value, mixer.write.key, mixer.write.value, mixer.query]
+    body += [mixer.delta.a, mixer.delta.c] if mixer.delta is not None else []
+    parts += [(e, mixer.update_span) for e in body]
+    for e, span in parts:
+        for node in sp.preorder_traversal(sp.sympify(e)):
+            if isinstance(node, sp.log):
+                arg, what = node.args[0], "log"
+            elif node.is_Pow and node.exp.is_number and not node.exp.is_integer:
+                arg, what = node.base, "sqrt" if node.exp == sp.Rational(1, 2) else "a fractional power"
+            else:
+                continue
+            lo, hi = ranges.of(arg)
+            if lo < 0:
+                return (f"{what} of {printer.expr(arg)} is nan for some "
+                        f"admissible inputs: its argument ranges over {_iv((lo, hi))}; narrow the declared "
+                        "ranges so that it stays >= 0", span)
+    return None
 
 
 # ---- the symbolic analysis -----------------------------------------------------------------------

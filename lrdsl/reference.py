@@ -61,6 +61,11 @@ def prepare_inputs(m: ir.Mixer, b: Batch, dtype: torch.dtype) -> dict:
     G = b.HV // b.H
     for i in m.inputs:
         x = b.tensors[i.name].to(dtype)
+        if not (i.l2norm or i.unit):  # outside its declared range a value is clamped into it
+            if i.lo.is_finite:        # (as the kernels do); nan stays nan
+                x = torch.where(x < float(i.lo), torch.full_like(x, float(i.lo)), x)
+            if i.hi.is_finite:
+                x = torch.where(x > float(i.hi), torch.full_like(x, float(i.hi)), x)
         if i.shared and G > 1:
             x = x.repeat_interleave(G, dim=2)
         if i.l2norm:

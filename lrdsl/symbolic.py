@@ -1,6 +1,7 @@
-"""Bounded symbolic work, and the limits that keep it bounded. sympy's simplify takes time exponential in the nesting of functions
-(8 nested sigmoids: 30 s; 20 nested exps: minutes), and a spec must compile or be refused within
-seconds. The analysis only needs common factors cancelled and zeros recognised."""
+"""Bounded symbolic work and the limits that keep it bounded. sympy's simplify takes time
+exponential in the nesting of functions (8 nested sigmoids: 30 s; 20 nested exps: minutes), and a
+spec must compile or be refused within seconds; the analysis only needs common factors cancelled
+and zeros recognised. Constants must fit float32, in which the kernels compute."""
 from __future__ import annotations
 
 import sympy as sp

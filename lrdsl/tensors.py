@@ -134,3 +134,25 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
 def compute_dtype(b: Batch) -> torch.dtype:
     import torch
     return torch.float64 if b.tensors["q"].dtype == torch.float64 else torch.float32
+
+
+def assert_in_ranges(mixer: ir.Mixer, b: Batch) -> None:
+    """Every input inside its declared range (nan aside). On a GPU a device-side assert, which costs
+    no host synchronisation (a violation fails the next synchronising call); on a CPU an InputError."""
+    import torch
+    for i in mixer.inputs:
+        if i.l2norm or i.unit or not (i.lo.is_finite or i.hi.is_finite):
+            continue
+        x = b.tensors[i.name]
+        ok = torch.ones_like(x, dtype=torch.bool)
+        if i.lo.is_finite:
+            ok &= ~(x < float(i.lo))
+        if i.hi.is_finite:
+            ok &= ~(x > float(i.hi))
+        what = f"input {i.name!r} has values outside its declared range [{i.lo}, {i.hi}]"
+        if x.device.type == "cpu":
+            if not bool(ok.all()):
+                raise InputError(what)
+        else:
+            torch._assert_async(ok.all(), what)
+

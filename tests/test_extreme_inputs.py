@@ -33,3 +33,42 @@ def test_strong_decay_at_one_token(name, value, compiled):
     limit = {"o": TOL, "S": TOL, "dq": TOL, "dk": TOL, "dv": TOL}
     bad = {n: e for n, e in errs.items() if not e < limit.get(n, 10 * TOL)}
     assert not bad, f"{name} g={value}: {bad}"
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "gdn2", "precond_deltanet"])
+def test_out_of_range_inputs_are_clamped_the_same_on_every_path(name, compiled):
+    """A value outside its declared range (g > 0 for a `log` input, beta > 1 for beta in (0, 1))
+    is clamped into the range by the reference, the recurrent and the chunked kernels alike."""
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    case = Case(B=1, T=70, H=1, HV=2, K=16, V=16, initial_state=True, seed=6)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    wild, clamped = dict(x), dict(x)
+    for i in mixer.ir.inputs:
+        if i.log or (i.lo == 0 and i.hi == 1):
+            t = x[i.name].clone()
+            t.view(-1)[::7] = 0.5 if i.log else 1.3  # every 7th value out of range
+            wild[i.name] = t
+            clamped[i.name] = t.clamp(max=0.0) if i.log else t.clamp(0.0, 1.0)
+    ref_wild = mixer.reference(**wild, **opts)
+    ref_clamped = mixer.reference(**clamped, **opts)
+    assert all(torch.equal(a, b) for a, b in zip(ref_wild, ref_clamped))
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in wild.items()},
+                                   **dict(opts, initial_state=opts["initial_state"].double()))
+    with torch.no_grad():
+        for path in ("chunk", "recurrent"):
+            o, s = getattr(mixer, path)(**wild, **opts)
+            assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL, path
+
+
+def test_check_ranges_refuses_out_of_range_inputs():
+    import lrdsl
+    from lrdsl.errors import InputError
+    path = next(p for p in EXAMPLES if p.stem == "gated_deltanet")
+    strict = lrdsl.compile(path, check_ranges=True)
+    x, opts = draw_inputs(strict, Case(B=1, T=20, H=1, HV=1, K=16, V=16, seed=7), DEVICE)
+    with torch.no_grad():
+        strict.reference(**x, **opts)  # inside: fine
+        x["beta"][0, 3] = 1.5
+        for path_name in ("reference", "chunk", "recurrent"):
+            with pytest.raises(InputError, match="beta"):
+                getattr(strict, path_name)(**x, **opts)

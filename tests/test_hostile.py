@@ -171,3 +171,16 @@ def test_simplify_never_sees_deeply_nested_functions(monkeypatch):
     m = lrdsl.compile(text=text, load_kernels=False)
     plan(m.ir)
     assert seen and max(seen) <= symbolic.MAX_SIMPLIFY_NESTING
+
+
+@pytest.mark.parametrize("expr,line", [("-0.1*log(beta)", 3), ("0.5*r", 3)])
+def test_primitives_outside_their_domain_are_spec_errors(expr, line):
+    """log(beta) or sqrt(beta) with beta declared in [-1, 1] can only give nan for half the range."""
+    from lrdsl.errors import SpecError
+    let = "let r = sqrt(beta)\n" if "r" in expr.split("*")[-1] else ""
+    text = (f"mixer dom\ninput q[K], k[K] l2norm, v[V], beta in [-1, 1]\n{let}"
+            f"S = (I - ({expr}*k) k^T) S + k v^T\no = S^T q\nallow unstable\n")
+    with pytest.raises(SpecError, match="nan for some admissible inputs") as e:
+        lrdsl.compile(text=text, load_kernels=False)
+    assert f":{line}:" in str(e.value)
+    lrdsl.compile(text=text.replace("beta in [-1, 1]", "beta in (0, 1)"), load_kernels=False)
