@@ -13,7 +13,7 @@ import numpy as np
 import sympy as sp
 
 from . import ir, printer
-from .symbolic import simplified
+from .symbolic import MAX_SIMPLIFY_NESTING, nesting, simplified
 
 INF = float("inf")
 FULL = (-INF, INF)
@@ -91,7 +91,29 @@ class Ranges:
             return -top, top
         return FULL
 
+    def exact(self, e):
+        """The exact range of an expression in one declared input (sigmoid(b), b/(1+b), 4b(1-b)),
+        by sympy's calculus, which interval arithmetic overestimates (it forgets that the two b
+        of b/(1+b) are one); None where it does not apply or sympy gives no interval."""
+        syms = e.free_symbols
+        x = next(iter(syms)) if len(syms) == 1 else None
+        i = self.inputs.get(x)
+        if i is None or nesting(e) > MAX_SIMPLIFY_NESTING or sp.count_ops(e) > 40:
+            return None
+        from sympy.calculus.util import function_range
+        try:
+            r = function_range(e, x, sp.Interval(i.lo, i.hi, i.lo_open, i.hi_open))
+        except Exception:  # sympy could not decide (NotImplementedError and kin): fall back
+            return None
+        if not isinstance(r, sp.Interval) or not (r.inf.is_real and r.sup.is_real):
+            return None
+        return float(r.inf), float(r.sup)
+
     def of(self, e) -> tuple:
+        if not e.is_number and not e.is_Symbol:
+            r = self.exact(e)
+            if r is not None:
+                return r
         if e.is_number:
             v = complex(e)
             return (v.real, v.real) if v.imag == 0 else FULL

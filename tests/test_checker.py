@@ -290,3 +290,24 @@ def test_claims_hold_numerically(name):
         assert most_negative < -1e-3
     if e["proved"] and e["min"] is not None and e["min"] >= 0:
         assert most_negative >= -1e-9
+
+
+GAINS = [("sigmoid(b)", "", False), ("b/(1+b)", "in (0, inf)", False), ("4*b*(1-b)", "in [0, 1]", False),
+         ("1-(1-b)^2", "in [0, 1]", False), ("2*sigmoid(b)", "", True)]
+
+
+@pytest.mark.parametrize("gain,rng,negative", GAINS, ids=[g for g, _, _ in GAINS])
+def test_gains_built_from_one_input_get_their_true_range(gain, rng, negative):
+    """Interval arithmetic forgets that both b of b/(1+b) are one number and refused these gains
+    (eigenvalues 'reaching -inf'); each lies in [0, 1] (or (0, 2)), so the spec is stable."""
+    text = (f"mixer s\ninput q[K], k[K] l2norm, v[V], g log, b {rng}\nlet beta = {gain}\n"
+            "S = (I - (beta*k) k^T) exp(g) S + (beta*k) v^T\no = S^T q\n")
+    facts = check(spec_to_ir(text))
+    assert facts["stable"] and facts["negative_eigenvalues"] is negative
+    lo, hi = facts["eigenvalues"]["min"], facts["eigenvalues"]["max"]
+    # the sampled eigenvalue 1 - beta (a unit key) stays inside what was proved
+    b = np.random.default_rng(0).uniform(-30, 30, 10000)
+    if rng:
+        b = np.abs(b) if "inf" in rng else np.random.default_rng(0).uniform(0, 1, 10000)
+    beta = eval(gain.replace("^", "**"), {"sigmoid": lambda x: 1 / (1 + np.exp(-x)), "b": b})  # noqa: S307
+    assert lo - 1e-9 <= (1 - beta).min() and (1 - beta).max() <= hi + 1e-9
