@@ -100,10 +100,7 @@ def aux_ptr(block_var: str) -> str:
 
 def plan(m: ir.Mixer) -> Plan:
     loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm, *_bounds(i)) for i in m.inputs)
-    exprs = [m.decay.value, m.write.key, m.write.value, m.query]
-    exprs += [a.decay for a in m.aux] + [a.write for a in m.aux] + [lt.expr for lt in m.lets]
-    if m.delta:
-        exprs += [m.delta.a, m.delta.c]
+    not_staged = _not_staged(m)
     summary = (f"mixer {m.name}",
                *("  " + line for line in printer.explicit(m).splitlines()[1:]))
     return Plan(
@@ -114,7 +111,7 @@ def plan(m: ir.Mixer) -> Plan:
         lets=tuple(Step(var(lt.name), code(lt.expr), lt.kind) for lt in m.lets),
         decay_kind=m.decay.kind,
         decay=code(m.decay.value),
-        uses_head=any(e.has(ir.HEAD) for e in exprs),
+        uses_head=any(e.has(ir.HEAD) for e, _ in m.expressions()),
         delta=m.delta is not None,
         order=m.delta.order if m.delta else "",
         erase_a=code(m.delta.a) if m.delta else "",
@@ -124,8 +121,8 @@ def plan(m: ir.Mixer) -> Plan:
         query=code(m.query),
         log_decay=_floored(m),
         chunk_size=16 if m.decay.kind == "diagonal" else 64,
-        staged=not _not_staged(m),
-        staged_reason=_not_staged(m),
+        staged=not not_staged,
+        staged_reason=not_staged,
     )
 
 

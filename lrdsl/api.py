@@ -26,6 +26,13 @@ class Mixer:
         self.source = source
         self.filename = filename
 
+    def _validate(self, *args):
+        """validate(...) for this mixer, and the range assertion when it was asked for."""
+        batch = validate(self.ir, *args)
+        if self.check_ranges:
+            assert_in_ranges(self.ir, batch)
+        return batch
+
     @property
     def name(self) -> str:
         return self.ir.name
@@ -74,9 +81,7 @@ class Mixer:
         """The fused recurrent (token by token) kernel; same signature and results as reference.
         Forward only: it is the decode path; train through `chunk`."""
         import torch
-        batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
-        if self.check_ranges:
-            assert_in_ranges(self.ir, batch)
+        batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in [*batch.tensors.values(), initial_state]):
             raise InputError("mixer.recurrent is forward-only (the decode path): call it under "
@@ -95,9 +100,7 @@ class Mixer:
         if not isinstance(state, torch.Tensor):
             raise InputError("step() updates a state in place: pass state=, a contiguous float32 tensor "
                              f"[B, HV, K, V] (zeros to start), not {type(state).__name__}")
-        batch = validate(self.ir, q, k, v, inputs, scale, state, True, None)
-        if self.check_ranges:
-            assert_in_ranges(self.ir, batch)
+        batch = self._validate(q, k, v, inputs, scale, state, True, None)
         if state.dtype != torch.float32 or not state.is_contiguous():
             raise InputError("step() updates the state in place: it must be a contiguous float32 tensor "
                              f"[B, HV, K, V], got {state.dtype}" + ("" if state.is_contiguous() else
@@ -111,9 +114,7 @@ class Mixer:
     def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference."""
-        batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
-        if self.check_ranges:
-            assert_in_ranges(self.ir, batch)
+        batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
         from . import autograd
         tensors = [batch.tensors[i.name] for i in self.ir.inputs]
         if self.keep_intermediates:
@@ -127,9 +128,7 @@ class Mixer:
                   cu_seqlens=None, **inputs):
         """o [B, T, HV, V] and the final state [N, HV, K, V] (None unless output_final_state)."""
         from .reference import scan
-        batch = validate(self.ir, q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
-        if self.check_ranges:
-            assert_in_ranges(self.ir, batch)
+        batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
         return scan(self.ir, batch)
 
 

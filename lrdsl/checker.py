@@ -153,12 +153,7 @@ def domain_error(mixer: ir.Mixer):
     """(message, span) for a log, square root or fractional power whose argument's range, from the
     declared input ranges, reaches below 0 (nan for some admissible inputs); None if there is none."""
     ranges = Ranges(mixer)
-    parts = [(lt.expr, lt.span) for lt in mixer.lets] + [(a.decay, a.span) for a in mixer.aux]
-    parts += [(a.write, a.span) for a in mixer.aux]
-    body = [mixer.decay.value, mixer.write.key, mixer.write.value, mixer.query]
-    body += [mixer.delta.a, mixer.delta.c] if mixer.delta is not None else []
-    parts += [(e, mixer.update_span) for e in body]
-    for e, span in parts:
+    for e, span in mixer.expressions():
         for node in sp.preorder_traversal(sp.sympify(e)):
             if isinstance(node, sp.log):
                 arg, what = node.args[0], "log"

@@ -109,6 +109,15 @@ class Mixer:
         """Where a checker's error points: the readout for an ill-posed solve, else the update."""
         return self.readout_span if facts.get("solve_well_posed") is False else self.update_span
 
+    def expressions(self) -> tuple:
+        """(expression, span) of every per-token expression: the lets, the auxiliary states' decays
+        and writes (at their lines), then the decay, write, query and erase (at the update)."""
+        out = [(lt.expr, lt.span) for lt in self.lets]
+        out += [(e, a.span) for a in self.aux for e in (a.decay, a.write)]
+        body = [self.decay.value, self.write.key, self.write.value, self.query]
+        body += [self.delta.a, self.delta.c] if self.delta is not None else []
+        return tuple(out + [(e, self.update_span) for e in body])
+
     def input(self, name: str) -> Input:
         return next(i for i in self.inputs if i.name == name)
 

@@ -57,11 +57,7 @@ FLOAT32_MAX = sp.Float(3.4028234663852886e38)
 
 def check_constants(m: ir.Mixer, span) -> None:
     """Constants (after folding, e.g. 1e300*1e300) must fit float32, in which the kernels compute."""
-    exprs = [m.decay.value, m.write.key, m.write.value, m.query, *(a.decay for a in m.aux),
-             *(a.write for a in m.aux), *(lt.expr for lt in m.lets)]
-    if m.delta is not None:
-        exprs += [m.delta.a, m.delta.c]
-    for e in exprs:
+    for e, _ in m.expressions():
         for n in sp.sympify(e).atoms(sp.Number):
             if n.is_finite is False or n == sp.nan or abs(n) > FLOAT32_MAX:
                 raise SpecError(f"the constant {sp.N(n, 3)} is beyond float32's range (+-3.4e38), in which "
