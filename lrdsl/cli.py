@@ -67,13 +67,13 @@ def cmd_bench(args) -> int:
         import triton  # noqa: F401
     except ImportError as e:
         raise LrdslError(f"lrdsl bench needs torch and triton: {e}") from None
-    if not torch.cuda.is_available():
-        raise LrdslError("lrdsl bench times GPU kernels, and torch sees no CUDA device")
     from . import bench
     try:
         shape = bench.parse_shape(args.shape)
     except ValueError as e:
         raise LrdslError(str(e)) from None
+    if not torch.cuda.is_available():
+        raise LrdslError("lrdsl bench times GPU kernels, and torch sees no CUDA device")
     from .api import compile
     rows = []
     for i, path in enumerate(args.spec):

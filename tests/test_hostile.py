@@ -184,3 +184,14 @@ def test_primitives_outside_their_domain_are_spec_errors(expr, line):
         lrdsl.compile(text=text, load_kernels=False)
     assert f":{line}:" in str(e.value)
     lrdsl.compile(text=text.replace("beta in [-1, 1]", "beta in (0, 1)"), load_kernels=False)
+
+
+@pytest.mark.parametrize("args,message", [(["--shape", "4,4096"], "five positive integers"),
+                                          ([], "CUDA")])
+def test_bench_misuse_is_one_clear_error(args, message):
+    import torch
+    if message == "CUDA" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the no-GPU error cannot occur")
+    proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "bench", *args, str(ROOT / "examples" / "mamba2.lr")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr
