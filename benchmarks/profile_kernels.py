@@ -29,4 +29,4 @@ for path in [a for a in sys.argv[1:] if not a.startswith("--")]:
             o.backward(torch.ones_like(o))
         torch.cuda.synchronize()
     print(f"\n{m.name} ({'forward + backward' if backward else 'forward'}):")
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=36))
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=36))
