@@ -13,6 +13,7 @@ import sympy as sp
 from lrdsl import ir, printer
 from lrdsl.symbolic import simplified
 
+from .chain import Chain, chain
 from .texpr import code, number, var
 
 
@@ -71,6 +72,8 @@ class Plan:
     staged_chunk: int = 64  # BT of the staged forward
     staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
     log_decay_floor: float = -20.0  # see _floored
+    chain: Chain | None = None  # the staged backward's generated chain rule (codegen/chain.py)
+    chain_rows: int = 32  # tokens per program of the chain-rule kernel
 
     @property
     def vector_args(self) -> str:
@@ -123,6 +126,7 @@ def plan(m: ir.Mixer) -> Plan:
         chunk_size=16 if m.decay.kind == "diagonal" else 64,
         staged=not not_staged,
         staged_reason=not_staged,
+        chain=chain(m) if not not_staged and m.decay.kind != "diagonal" else None,
     )
 
 

@@ -65,6 +65,9 @@ def code(e: sp.Expr) -> str:
         return f"tl.log({code(e.args[0])})"
     if isinstance(e, sp.Abs):
         return f"tl.abs({code(e.args[0])})"
+    if isinstance(e, sp.sign):  # from derivatives of |x|; 0 at 0, as torch's
+        x = code(e.args[0])
+        return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
     if isinstance(e, ir.squash):
         return code(e.definition())
     raise TypeError(f"no Triton lowering for {e!r}")  # the front end admits nothing else

@@ -89,6 +89,9 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
     vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved)
+    if module.HAS_CHAIN_RULE and "a" not in vgrads:  # the staged backward ran: its chain rule too
+        g = module.chain_rule(inputs, batch.scale, vgrads)
+        return [g[n] if need else None for n, need in zip(names, needs)], dh0
     # torch.func.vjp rather than torch.autograd.grad: it also runs inside the custom op, where
     # the autograd dispatch key is switched off
     wanted = [i for i, need in enumerate(needs) if need]

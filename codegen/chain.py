@@ -1,0 +1,97 @@
+"""The chain rule from the staged kernels' per-token vectors to the spec's inputs, derived here.
+
+The staged backward ends with the gradients of the per-token vectors: the write key u (also the
+erase direction), the erase read c, the scaled query r, the write value z and the log-decay gl.
+Each is an elementwise expression of the inputs (lets substituted), so the gradient of an input is
+a sum of (vector gradient) x (partial derivative), summed over the channels where the input has
+fewer of them (a per-head input in a key-channel vector), then through the in-mixer L2 norm and
+the range clamp. sympy differentiates; `cse` shares the common subexpressions; texpr lowers them.
+Specs with auxiliary states (scans) keep the PyTorch chain rule: their inputs reach the vectors
+through a recurrence, not elementwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from lrdsl import ir
+
+from .texpr import code, var
+
+
+@dataclass(frozen=True)
+class InputGrad:
+    name: str
+    var: str  # the block variable of the input (normalised and clamped, as the kernels load it)
+    kind: str
+    l2norm: bool
+    k_terms: tuple  # (vector, derivative text): u, c, r (key channels)
+    v_terms: tuple  # (vector, derivative text): z (value channels)
+    g_term: str  # derivative of the log-decay ("" where it does not depend on this input)
+
+
+@dataclass(frozen=True)
+class Chain:
+    k_temps: tuple  # (name, text): shared subexpressions of the key-channel and log-decay terms
+    v_temps: tuple  # (name, text): of the value-channel terms
+    grads: tuple  # InputGrad, one per input
+    log_decay: str  # unfloored log-decay text ("" without a data-dependent decay): where it is
+    # below the kernels' floor, its gradient is zero
+
+
+def _inline(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
+    """e over the inputs only: lets substituted (latest first), squash by its definition."""
+    for lt in reversed(m.lets):
+        e = e.xreplace({ir.symbol(lt.name): lt.expr})
+    return e.replace(lambda x: isinstance(x, ir.squash), lambda x: x.definition())
+
+
+def _lower(exprs: list, prefix: str, taken: set):
+    """cse over exprs: (temporaries as (variable, text), texts of the reduced expressions). The
+    temporaries' names avoid every name of the spec."""
+    while any(n.startswith(prefix) for n in taken):
+        prefix = "x" + prefix
+    names = (sp.Symbol(f"{prefix}{i}", real=True) for i in range(10**6))
+    temps, reduced = sp.cse(exprs, symbols=names, optimizations=None)
+    return (tuple((var(s.name), code(e)) for s, e in temps), [code(e) for e in reduced])
+
+
+def chain(m: ir.Mixer) -> Chain | None:
+    """The generated chain rule for a staged spec, or None where it cannot be generated."""
+    if m.aux:
+        return None
+    kv = {"u": m.write.key, "r": m.query}
+    if m.delta is not None:
+        kv["c"] = m.delta.c
+    kv = {n: _inline(m, e) for n, e in kv.items()}
+    z = _inline(m, m.write.value)
+    gl = None
+    if m.decay.kind in ("scalar", "diagonal"):
+        gl = _inline(m, sp.expand_log(sp.log(m.decay.value), force=True))
+    k_exprs, v_exprs, slots = [], [], []
+    for i in m.inputs:
+        s = i.symbol
+        kt = [(n, sp.diff(e, s)) for n, e in kv.items()]
+        kt = [(n, d) for n, d in kt if d != 0]
+        vt = [("z", d) for d in [sp.diff(z, s)] if d != 0]
+        gd = sp.diff(gl, s) if gl is not None else sp.Integer(0)
+        slots.append((i, len(k_exprs), len(kt), len(v_exprs), len(vt), gd != 0))
+        k_exprs += [d for _, d in kt] + ([gd] if gd != 0 else [])
+        v_exprs += [d for _, d in vt]
+        slots[-1] += ([n for n, _ in kt],)
+    try:
+        k_temps, k_texts = _lower(k_exprs, "cse_k", set(m.kinds()))
+        v_temps, v_texts = _lower(v_exprs, "cse_v", set(m.kinds()))
+        raw_gl = code(gl) if gl is not None else ""
+    except TypeError:  # a derivative texpr has no lowering for: the PyTorch chain rule stays
+        return None
+    grads = []
+    for i, k0, nk, v0, nv, has_g, k_names in slots:
+        grads.append(InputGrad(
+            name=i.name, var=f"b_{i.name}", kind=i.kind, l2norm=i.l2norm,
+            k_terms=tuple(zip(k_names, k_texts[k0:k0 + nk])),
+            v_terms=tuple(("z", t) for t in v_texts[v0:v0 + nv]),
+            g_term=k_texts[k0 + nk] if has_g else "",
+        ))
+    return Chain(k_temps, v_temps, tuple(grads), raw_gl)
