@@ -2,9 +2,10 @@
 
 The generated backward returns the gradients of the per-token vectors the kernels consume (erase
 directions a and c, write key u and value z, scaled query r, log-decay gl) and of the initial
-state. The chain rule from those vectors to the spec's inputs (elementwise, plus the auxiliary
-scans and in-mixer L2 norms) runs through PyTorch autograd on the same expressions the reference
-evaluates, so every expression a spec can write is differentiated the same way.
+state. After the staged backward, a generated kernel applies the chain rule to the spec's inputs
+(codegen/chain.py). Otherwise the chain rule (elementwise, plus the auxiliary scans and in-mixer
+L2 norms) runs through PyTorch autograd on the same expressions the reference evaluates, so every
+expression a spec can write is differentiated the same way.
 """
 import sympy as sp
 import torch
