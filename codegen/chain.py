@@ -22,10 +22,7 @@ from .texpr import code, var
 
 @dataclass(frozen=True)
 class InputGrad:
-    name: str
-    var: str  # the block variable of the input (normalised and clamped, as the kernels load it)
-    kind: str
-    l2norm: bool
+    """The terms of one input's gradient (in the order of the inputs, as the plan's loads)."""
     k_terms: tuple  # (vector, derivative text): u, c, r (key channels)
     v_terms: tuple  # (vector, derivative text): z (value channels)
     g_term: str  # derivative of the log-decay ("" where it does not depend on this input)
@@ -66,32 +63,25 @@ def chain(m: ir.Mixer) -> Chain | None:
         kv["c"] = m.delta.c
     kv = {n: _inline(m, e) for n, e in kv.items()}
     z = _inline(m, m.write.value)
-    gl = None
-    if m.decay.kind in ("scalar", "diagonal"):
-        gl = _inline(m, sp.expand_log(sp.log(m.decay.value), force=True))
-    k_exprs, v_exprs, slots = [], [], []
+    gl = _inline(m, m.log_decay()) if m.decay.kind == "scalar" else None
+    # every derivative, per input: key-channel ones (and the log-decay's), value-channel ones
+    k_parts, v_parts = [], []
     for i in m.inputs:
-        s = i.symbol
-        kt = [(n, sp.diff(e, s)) for n, e in kv.items()]
-        kt = [(n, d) for n, d in kt if d != 0]
-        vt = [("z", d) for d in [sp.diff(z, s)] if d != 0]
-        gd = sp.diff(gl, s) if gl is not None else sp.Integer(0)
-        slots.append((i, len(k_exprs), len(kt), len(v_exprs), len(vt), gd != 0))
-        k_exprs += [d for _, d in kt] + ([gd] if gd != 0 else [])
-        v_exprs += [d for _, d in vt]
-        slots[-1] += ([n for n, _ in kt],)
+        kt = [(n, d) for n, d in ((n, sp.diff(e, i.symbol)) for n, e in kv.items()) if d != 0]
+        gd = sp.diff(gl, i.symbol) if gl is not None else sp.Integer(0)
+        k_parts.append((kt, gd))
+        v_parts.append([d for d in [sp.diff(z, i.symbol)] if d != 0])
+    k_exprs = [d for kt, gd in k_parts for d in [d for _, d in kt] + ([gd] if gd != 0 else [])]
+    v_exprs = [d for vt in v_parts for d in vt]
     try:
         k_temps, k_texts = _lower(k_exprs, "cse_k", set(m.kinds()))
         v_temps, v_texts = _lower(v_exprs, "cse_v", set(m.kinds()))
         raw_gl = code(gl) if gl is not None else ""
     except TypeError:  # a derivative texpr has no lowering for: the PyTorch chain rule stays
         return None
-    grads = []
-    for i, k0, nk, v0, nv, has_g, k_names in slots:
-        grads.append(InputGrad(
-            name=i.name, var=f"b_{i.name}", kind=i.kind, l2norm=i.l2norm,
-            k_terms=tuple(zip(k_names, k_texts[k0:k0 + nk])),
-            v_terms=tuple(("z", t) for t in v_texts[v0:v0 + nv]),
-            g_term=k_texts[k0 + nk] if has_g else "",
-        ))
-    return Chain(k_temps, v_temps, tuple(grads), raw_gl)
+    k_texts, v_texts = iter(k_texts), iter(v_texts)
+    grads = tuple(InputGrad(k_terms=tuple((n, next(k_texts)) for n, _ in kt),
+                            v_terms=tuple(("z", next(v_texts)) for _ in vt),
+                            g_term=next(k_texts) if gd != 0 else "")
+                  for (kt, gd), vt in zip(k_parts, v_parts))
+    return Chain(k_temps, v_temps, grads, raw_gl)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-import sympy as sp
 
 from lrdsl import ir, printer
 from lrdsl.symbolic import simplified
@@ -134,7 +133,7 @@ def _floored(m: ir.Mixer) -> str:
     """Triton text of the per-token log-decay, floored: the chunked kernels cumulate it in fp32
     within a chunk, and one token at -1e8 (or -inf, a reset) would swamp the differences of the
     tokens after it (or make them nan). What the floor changes is below fp32's resolution."""
-    text = code(sp.expand_log(sp.log(m.decay.value), force=True))
+    text = code(m.log_decay())
     if m.decay.kind in ("scalar", "diagonal"):
         return f"_floor_log({text})"
     return text

@@ -7,17 +7,12 @@ state. After the staged backward, a generated kernel applies the chain rule to t
 L2 norms) runs through PyTorch autograd on the same expressions the reference evaluates, so every
 expression a spec can write is differentiated the same way.
 """
-import sympy as sp
 import torch
 
 from . import ir
 from .codegen.plan import Plan
 from .reference import prepare_inputs, to_torch
 from .tensors import Batch
-
-
-def log_decay(m: ir.Mixer) -> sp.Expr:
-    return sp.expand_log(sp.log(m.decay.value), force=True)
 
 
 def _full(x, shape, dtype, device):
@@ -61,7 +56,7 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
         out["a"] = _full(to_torch(m.delta.a)(env), shp["K"], dtype, dev)
         out["c"] = _full(to_torch(m.delta.c)(env), shp["K"], dtype, dev)
     if m.decay.kind != "identity":
-        gl = to_torch(log_decay(m))(env)
+        gl = to_torch(m.log_decay())(env)
         if m.decay.kind in ("scalar", "diagonal"):  # the kernels' floor (codegen.plan._floored)
             floor = Plan.log_decay_floor
             gl = torch.where(gl < floor, torch.full_like(gl, floor), gl)

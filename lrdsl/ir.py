@@ -118,6 +118,10 @@ class Mixer:
         body += [self.delta.a, self.delta.c] if self.delta is not None else []
         return tuple(out + [(e, self.update_span) for e in body])
 
+    def log_decay(self) -> sp.Expr:
+        """log d: the chunked kernels cumulate decays in log space."""
+        return sp.expand_log(sp.log(self.decay.value), force=True)
+
     def input(self, name: str) -> Input:
         return next(i for i in self.inputs if i.name == name)
 
