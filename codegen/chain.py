@@ -39,9 +39,7 @@ class Chain:
 
 def _inline(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
     """e over the inputs only: lets substituted (latest first), squash by its definition."""
-    for lt in reversed(m.lets):
-        e = e.xreplace({ir.symbol(lt.name): lt.expr})
-    return e.replace(lambda x: isinstance(x, ir.squash), lambda x: x.definition())
+    return m.inline_lets(e).replace(lambda x: isinstance(x, ir.squash), lambda x: x.definition())
 
 
 def _lower(exprs: list, prefix: str, taken: set):

@@ -170,12 +170,6 @@ def domain_error(mixer: ir.Mixer):
 
 
 # ---- the symbolic analysis -----------------------------------------------------------------------
-def _inline_lets(mixer, e):
-    for let in reversed(mixer.lets):  # later lets may use earlier ones
-        e = e.xreplace({ir.symbol(let.name): let.expr})
-    return e
-
-
 def _per_channel(mixer, e) -> bool:
     kinds = mixer.kinds()
     return any(kinds.get(str(s)) in ("K", "V") for s in e.free_symbols)
@@ -189,7 +183,7 @@ def _iv(r) -> str:
 def analyse(mixer: ir.Mixer) -> dict:
     """The symbolic part of the check, with the pieces stability_error needs to name a culprit."""
     rg = Ranges(mixer)
-    d = _inline_lets(mixer, mixer.decay.value)
+    d = mixer.inline_lets(mixer.decay.value)
     D = rg.of(d)
     per_channel_d = mixer.decay.kind == "diagonal"
     out = {"D": D, "d": d, "W": None, "w": None, "factor": None, "symmetric": False, "notes": []}
@@ -200,7 +194,7 @@ def analyse(mixer: ir.Mixer) -> dict:
         notes.append(f"M is diagonal: its eigenvalues are the values of D, in {_iv(D)}.")
         out.update(eig=D, proved=True)
         return out
-    a, c = (_inline_lets(mixer, x) for x in (mixer.delta.a, mixer.delta.c))
+    a, c = (mixer.inline_lets(x) for x in (mixer.delta.a, mixer.delta.c))
     out.update(a=a, c=c)
     shape = "(I - a c^T) D" if mixer.delta.order == "left" else "D (I - a c^T)"
     notes.append(f"M = {shape} with a = {mixer.delta.a}, c = {mixer.delta.c}, D = {d} ({dname}).")
@@ -287,8 +281,8 @@ def search(mixer: ir.Mixer, an: dict, n: int = 4096, seed: int = 0):
     numeric = lambda e: sp.lambdify(syms, e.replace(lambda x: isinstance(x, ir.squash),
                                                     lambda x: x.definition()), "numpy")
     fns = [numeric(e) for e in exprs]
-    lets = [(l, numeric(_inline_lets(mixer, l.expr))) for l in mixer.lets
-            if _inline_lets(mixer, l.expr).free_symbols <= set(syms)]
+    lets = [(l, numeric(mixer.inline_lets(l.expr))) for l in mixer.lets
+            if mixer.inline_lets(l.expr).free_symbols <= set(syms)]
     best = None
     for K in (2, 3, 4):
         env = {}
@@ -381,8 +375,8 @@ def _solve_well_posed(mixer: ir.Mixer, notes: list) -> bool:
     semi-definite when D >= 0 and u is a non-negative per-head multiple of k, and then lam > 0 makes
     the matrix positive definite."""
     rng = Ranges(mixer)
-    lam_lo = rng.of(_inline_lets(mixer, mixer.solve_lam))[0]
-    ratio = simplified(_inline_lets(mixer, mixer.write.key) / ir.symbol("k"))
+    lam_lo = rng.of(mixer.inline_lets(mixer.solve_lam))[0]
+    ratio = simplified(mixer.inline_lets(mixer.write.key) / ir.symbol("k"))
     per_head = not _per_channel(mixer, ratio)
     psd = bool(per_head and rng.of(ratio)[0] >= 0 and rng.of(mixer.decay.value)[0] >= 0)
     lam_in = next((i for i in mixer.inputs if i.symbol == mixer.solve_lam), None)

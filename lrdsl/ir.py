@@ -118,6 +118,12 @@ class Mixer:
         body += [self.delta.a, self.delta.c] if self.delta is not None else []
         return tuple(out + [(e, self.update_span) for e in body])
 
+    def inline_lets(self, e: sp.Expr) -> sp.Expr:
+        """e with every let replaced by its expression (latest first: later lets may use earlier)."""
+        for lt in reversed(self.lets):
+            e = e.xreplace({symbol(lt.name): lt.expr})
+        return e
+
     def log_decay(self) -> sp.Expr:
         """log d: the chunked kernels cumulate decays in log space."""
         return sp.expand_log(sp.log(self.decay.value), force=True)
