@@ -235,14 +235,16 @@ def test_sign_of_diagonal_decay():
     assert r["eigenvalues"] == {"min": -1.0, "max": 0.0, "proved": True}
     assert r["negative_eigenvalues"] and r["stable"] and r["spectral_norm_le_1"] == "proved"
     m, r = result("mixed_diag")  # mixed signs and a non-normal erase: complex eigenvalues possible
-    assert not r["eigenvalues"]["proved"] and not r["stable"] and not r["negative_eigenvalues"]
+    assert not r["eigenvalues"]["proved"] and not r["stable"]
+    assert r["negative_eigenvalues"] is not False  # nothing excludes them: found, or unknown (null)
     assert stability_error(m, r) is not None
 
 
 def test_not_unit_key_is_unknown():
     m, r = result("not_unit")
     assert r["eigenvalues"] == {"min": None, "max": None, "proved": False}
-    assert not r["stable"] and not r["negative_eigenvalues"]
+    assert r["facts"]["stable"] == "disproved" and r["stable"] is False  # k = (4, 4): 1 - 32 beta
+    assert r["negative_eigenvalues"] is not False
     assert r["spectral_norm_le_1"] == "disproved"  # k = (4, 4) already breaks it
     msg = stability_error(m, r)
     assert msg and "unit" in msg and "l2norm" in msg
@@ -253,9 +255,13 @@ def test_stable_specs_have_no_error_and_results_are_json():
         m, r = result(name)
         assert json.loads(json.dumps(r)) == r
         assert set(r) == {"eigenvalues", "spectral_norm_le_1", "counterexample", "negative_eigenvalues",
-                          "stable", "contraction", "notes"}
+                          "stable", "contraction", "notes", "facts", "witnesses"}
+        assert set(r["facts"].values()) <= {"proved", "disproved", "unknown"}
+        for old, new in (("stable", "stable"), ("negative_eigenvalues", "negative_eigenvalues"),
+                         ("contraction", "spectral_norm_le_1")):  # the old booleans: null where unknown
+            assert r[old] == {"proved": True, "disproved": False, "unknown": None}[r["facts"][new]]
         assert r["notes"] and all(isinstance(n, str) for n in r["notes"])
-        assert (stability_error(m, r) is None) == r["stable"]
+        assert (stability_error(m, r) is None) == (r["stable"] is True)
         text = explain(r)
         assert "eigenvalues" in text and "spectral norm" in text
 
@@ -286,8 +292,8 @@ def test_claims_hold_numerically(name):
         most_negative = min(most_negative, float(np.min(ev.real)))
         if r["spectral_norm_le_1"] == "proved":
             assert np.linalg.norm(M, 2) <= 1 + 1e-9, env
-    if r["negative_eigenvalues"]:
-        assert most_negative < -1e-3
+    if r["negative_eigenvalues"] is False:
+        assert most_negative >= -1e-9
     if e["proved"] and e["min"] is not None and e["min"] >= 0:
         assert most_negative >= -1e-9
 
