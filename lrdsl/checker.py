@@ -203,11 +203,26 @@ def check(mixer: ir.Mixer) -> dict:
         if facts["negative_eigenvalues"] == UNKNOWN:
             notes.append("Negative eigenvalues are not excluded, and none was found by search.")
 
+    if facts["spectral_norm_le_1"] == PROVED:
+        facts["bounded_state"] = PROVED
+        notes.append("||M_t|| <= 1 at every token, so every product of transitions has norm <= 1: no input "
+                     "sequence amplifies the state.")
+    else:
+        settle("bounded_state", _growing_cycle(num, wits.get("stable")), DISPROVED, UNKNOWN,
+               lambda w: f"A cycle of {len(w['steps'])} admissible tokens has a product with spectral radius "
+                         f"{w['value']:.4g} > 1: repeated, it grows the state geometrically (see the witness)"
+                         + (", although every single step has its eigenvalues in [-1, 1]."
+                            if facts["stable"] == PROVED else "."))
+        if facts["bounded_state"] == UNKNOWN:
+            notes.append("Bounded state: ||M|| <= 1 is not proved, and no short cycle of admissible tokens "
+                         "whose product has spectral radius > 1 was found.")
+
     out = {
         "eigenvalues": {"min": _json(eig[0]), "max": _json(eig[1]), "proved": bool(enclosed)},
         "facts": facts,
         "witnesses": {k: v for k, v in wits.items() if v is not None},
         "spectral_norm_le_1": facts["spectral_norm_le_1"],
+        "bounded_state": facts["bounded_state"],
         "counterexample": _legacy_counterexample(wits.get("spectral_norm_le_1")),
         "negative_eigenvalues": _as_bool(facts["negative_eigenvalues"]),
         "stable": _as_bool(facts["stable"]),
@@ -217,6 +232,22 @@ def check(mixer: ir.Mixer) -> dict:
     if mixer.solve_lam is not None:
         out["solve_well_posed"] = _solve_well_posed(mixer, notes)
     return out
+
+
+def _growing_cycle(num, step: dict | None):
+    """A witness that the state can grow without bound: the step that leaves [-1, 1] repeated, or a
+    cycle of 2 to 4 tokens found by search, each replayed from S_0 = I with zero writes."""
+    if step is not None:
+        grown = witness.replay_cycle(num, step)
+        if grown is not None:
+            return {**step, "replay": grown}
+    for steps in (2, 3, 4):
+        # the product must grow the state REPLAY_GROWTH times within half the replay's tokens
+        need = witness.REPLAY_GROWTH ** (2 * steps / witness.REPLAY_TOKENS)
+        found = witness.search(num, "radius", need, steps, Ks=(2, 3), refine=12)
+        if found is not None:
+            return found
+    return None
 
 
 def _json(x):
@@ -265,14 +296,15 @@ LABELS = {"stable": "stable", "negative_eigenvalues": "negative eigenvalues",
 CLAIMS = {"stable": "every eigenvalue of every admissible M_t is in [-1, 1]",
           "negative_eigenvalues": "some admissible M_t has a negative eigenvalue",
           "spectral_norm_le_1": "||M_t|| <= 1 for every admissible token",
-          "bounded_state": "no admissible input sequence makes the state grow without bound"}
+          "bounded_state": "every product of admissible transitions stays bounded (no input sequence "
+                           "amplifies the state; writes add to it)"}
 WITNESS_WORDS = {
     "stable": lambda w: f"spectral radius {w['value']:.7g}",
     "negative_eigenvalues": lambda w: f"eigenvalue {w['value']:.7g}",
     "spectral_norm_le_1": lambda w: f"||M|| = {w['value']:.7g}",
-    "bounded_state": lambda w: (f"{len(w['steps'])} tokens whose product has spectral radius {w['value']:.4g}; "
-                                f"repeated from S_0 = I they grow ||S|| {w['replay']['growth']:.3g} times "
-                                f"in {w['replay']['tokens']} tokens"),
+    "bounded_state": lambda w: (f"{len(w['steps'])} token(s) whose product has spectral radius {w['value']:.7g}; "
+                                f"repeated from S_0 = I with zero writes they grow ||S|| {w['replay']['growth']:.3g} "
+                                f"times in {w['replay']['tokens']} tokens (the reference scan's update, float64)"),
 }
 
 

@@ -28,7 +28,7 @@ REPLAY_TOKENS = 6000  # ... within this many tokens
 class Numeric:
     """numpy functions of one token: the transition's d, a, c and the aux states' decay and write."""
     mixer: ir.Mixer
-    args: tuple  # symbols every function takes, in this order
+    args: tuple  # names of the symbols every function takes, in this order
     inputs: tuple  # the declared inputs among them
     d: object
     a: object
@@ -53,7 +53,7 @@ def numeric(mixer: ir.Mixer) -> Numeric:
     syms |= {ir.symbol(x.name) for x in m.aux} | {ir.HEAD}
     args = tuple(sorted(syms, key=str))
     lets = [(lt.name, lt.kind, m.inline_lets(lt.expr)) for lt in m.lets]
-    return Numeric(m, args, tuple(i for i in m.inputs if i.symbol in syms),
+    return Numeric(m, tuple(map(str, args)), tuple(i for i in m.inputs if i.symbol in syms),
                    *[_fn(args, e) for e in exprs] + [None] * (3 - len(exprs)),
                    tuple((n, _fn(args, dc), _fn(args, w)) for n, dc, w in aux),
                    tuple((n, k, _fn(args, e)) for n, k, e in lets if sp.sympify(e).free_symbols <= syms),
@@ -144,7 +144,7 @@ def _perturb(rng, num: Numeric, s: Seqs, scale) -> Seqs:
 # ---- evaluation, batched over candidates --------------------------------------------------------
 def _call(num, f, env, n, K):
     with np.errstate(all="ignore"):  # exp(1e3) at a far point is inf: such candidates are dropped
-        out = f(*[env[str(a)] for a in num.args])
+        out = f(*[env[a] for a in num.args])
     return np.broadcast_to(np.asarray(out, dtype=float), (n, K))
 
 

@@ -255,7 +255,7 @@ def test_stable_specs_have_no_error_and_results_are_json():
         m, r = result(name)
         assert json.loads(json.dumps(r)) == r
         assert set(r) == {"eigenvalues", "spectral_norm_le_1", "counterexample", "negative_eigenvalues",
-                          "stable", "contraction", "notes", "facts", "witnesses"}
+                          "stable", "contraction", "notes", "facts", "witnesses", "bounded_state"}
         assert set(r["facts"].values()) <= {"proved", "disproved", "unknown"}
         for old, new in (("stable", "stable"), ("negative_eigenvalues", "negative_eigenvalues"),
                          ("contraction", "spectral_norm_le_1")):  # the old booleans: null where unknown
