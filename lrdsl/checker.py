@@ -60,7 +60,7 @@ def analyse(mixer: ir.Mixer) -> dict:
     d = mixer.inline_lets(mixer.decay.value)
     D = rg.of(d)
     per_channel_d = mixer.decay.kind == "diagonal"
-    out = {"D": D, "d": d, "W": None, "w": None, "factor": None, "symmetric": False, "notes": []}
+    out = {"D": D, "d": d, "W": None, "w": None, "factor": None, "symmetric": False, "sym_eig": None, "notes": []}
     notes = out["notes"]
     dname = "per key channel" if per_channel_d else "one number per head"
     if mixer.delta is None:
@@ -109,8 +109,31 @@ def analyse(mixer: ir.Mixer) -> dict:
         notes.append(f"D varies per channel and D or a_i c_i may change sign: {_iv(eig)} is a guess, "
                      "not a proof (the eigenvalues may even be complex).")
         proved = False
-    out.update(eig=eig, proved=proved)
+    sym = _symmetric_form(mixer, rg, d, a, c, D, u.symbol)
+    if sym is not None:
+        xy = "x = a, y = D c" if mixer.delta.order == "left" else "x = D a, y = c"
+        notes.append(f"M = D - x y^T with x a per-head multiple of y ({xy}), so M is symmetric, and by its "
+                     f"Rayleigh quotients its eigenvalues lie in {_iv(sym)} (min D - max(0, x^T y) to "
+                     f"max D - min(0, x^T y), x^T y a convex combination of the values of D*c*a/{u.name}^2).")
+        eig, proved = ((max(eig[0], sym[0]), min(eig[1], sym[1])) if proved else sym), True
+    out.update(eig=eig, proved=proved, sym_eig=sym)
     return out
+
+
+def _symmetric_form(mixer, rg, d, a, c, D, u):
+    """Eigenvalue bounds of M = D - x y^T when it is symmetric (x = lam y, lam one number per head),
+    as diag(d) - beta k k^T and D^1/2 (I - beta k k^T) D^1/2 are; None otherwise. For a unit z,
+    z^T M z = z^T D z - lam (y^T z)^2, and lam (y^T z)^2 lies between 0 and lam |y|^2 = x^T y =
+    sum_i d_i a_i c_i, a convex combination of the values of d a c / u^2 (u the unit input)."""
+    x, y = (a, d * c) if mixer.delta.order == "left" else (d * a, c)
+    lam = simplified(x / y)
+    if lam.has(sp.nan, sp.zoo) or _per_channel(mixer, lam):
+        return None
+    dw = simplified(d * a * c / u ** 2)
+    if dw.has(u):
+        return None
+    lo, hi = rg.of(dw)
+    return D[0] - max(0.0, hi), D[1] - min(0.0, lo)
 
 
 
@@ -127,6 +150,8 @@ def _norm_proof(mixer: ir.Mixer, an: dict) -> str | None:
     if an["symmetric"] and an["factor"] is not None and _inside(an["factor"]) and _inside(D):
         return ("a is a per-head multiple of c, so I - a c^T is symmetric with eigenvalues in [-1, 1], "
                 "and |D| <= 1: ||M|| <= ||I - a c^T|| ||D|| <= 1.")
+    if an["sym_eig"] is not None and _inside(an["sym_eig"]):
+        return "M is symmetric with eigenvalues in [-1, 1], so ||M|| <= 1."
     return None
 
 

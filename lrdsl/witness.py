@@ -155,6 +155,11 @@ def _advance(num, env, n, K):
 
 
 def _matrix(num, env, n, K):
+    with np.errstate(all="ignore"):  # c = k/d at d = 0 is inf: such candidates are dropped
+        return _transition(num, env, n, K)
+
+
+def _transition(num, env, n, K):
     d = _call(num, num.d, env, n, K)
     M = d[:, :, None] * np.eye(K)
     if num.a is None:

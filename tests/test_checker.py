@@ -78,6 +78,21 @@ input q[K], k[K] l2norm, v[V], d[K] in (-1, 1), b[K] in [0, 1]
 S = (I - k (b*k)^T) diag(d) S + k v^T
 o = S^T q
 """,
+    "diag_minus_rank1": """mixer diag_minus_rank1
+input q[K], k[K] l2norm, v[V], g[K] log, beta in (0, 1)
+S = (diag(exp(g)) - beta k k^T) S + beta k v^T
+o = S^T q
+""",
+    "sqrt_sandwich": """mixer sqrt_sandwich
+input q[K], k[K] l2norm, v[V], d[K] in (0, 1), beta in (0, 1)
+S = diag(sqrt(d)) (I - beta k k^T) diag(sqrt(d)) S + beta k v^T
+o = S^T q
+""",
+    "signed_diag_minus_rank1": """mixer signed_diag_minus_rank1
+input q[K], k[K] l2norm, v[V], e[K] in (-1, 1), beta in (0, 1)
+S = (diag(e) - beta k k^T) S + beta k v^T
+o = S^T q
+""",
     "not_unit": """mixer not_unit
 input q[K], k[K], v[V], beta in (0, 1)
 S = (I - beta k k^T) S + beta k v^T
@@ -238,6 +253,22 @@ def test_sign_of_diagonal_decay():
     assert not r["eigenvalues"]["proved"] and not r["stable"]
     assert r["negative_eigenvalues"] is not False  # nothing excludes them: found, or unknown (null)
     assert stability_error(m, r) is not None
+
+
+def test_symmetric_forms_have_their_norm_proved():
+    """diag(d) - beta k k^T and D^1/2 (I - beta k k^T) D^1/2 are symmetric: with d in [0, 1] and
+    beta in [0, 1] their eigenvalues lie in [-1, 1] (resp. [0, 1]), so the norm is at most 1."""
+    for name, lo in (("diag_minus_rank1", -1.0), ("sqrt_sandwich", 0.0)):
+        _, r = result(name)
+        assert r["eigenvalues"]["proved"] and lo - 1e-9 <= r["eigenvalues"]["min"]
+        assert r["facts"]["spectral_norm_le_1"] == "proved" and r["facts"]["bounded_state"] == "proved"
+    # d = 0, beta -> 1, k = e_1: the eigenvalue -1 is approached; D^1/2 (...) D^1/2 is semi-definite
+    assert result("diag_minus_rank1")[1]["negative_eigenvalues"] is True
+    assert result("sqrt_sandwich")[1]["negative_eigenvalues"] is False
+    # with d in (-1, 1) the eigenvalue d - beta reaches -2: refused, with a witness
+    m, r = result("signed_diag_minus_rank1")
+    assert r["facts"]["stable"] == "disproved" and r["witnesses"]["stable"]["value"] > 1.5
+    assert "allow unstable" in stability_error(m, r)
 
 
 def test_not_unit_key_is_unknown():
