@@ -111,6 +111,7 @@ def analyse(mixer: ir.Mixer) -> dict:
         proved = False
     sym = _symmetric_form(mixer, rg, d, a, c, D, u.symbol)
     if sym is not None:
+        out["xy"], sym = sym[2], sym[:2]
         xy = "x = a, y = D c" if mixer.delta.order == "left" else "x = D a, y = c"
         notes.append(f"M = D - x y^T with x a per-head multiple of y ({xy}), so M is symmetric, and by its "
                      f"Rayleigh quotients its eigenvalues lie in {_iv(sym)} (min D - max(0, x^T y) to "
@@ -133,7 +134,7 @@ def _symmetric_form(mixer, rg, d, a, c, D, u):
     if dw.has(u):
         return None
     lo, hi = rg.of(dw)
-    return D[0] - max(0.0, hi), D[1] - min(0.0, lo)
+    return D[0] - max(0.0, hi), D[1] - min(0.0, lo), dw
 
 
 
@@ -166,9 +167,9 @@ def _describe(w: dict) -> str:
     head = f"K={w['K']}" + (f", h={w['h']}" if "h" in w else "")
     pre = w["prefix"]
     pre = f"; after {pre['repeat']} x ({tok(pre['inputs'])})" if pre else ""
-    steps = "; then ".join(f"({tok(t)})" for t in w["steps"])
+    steps = "; then ".join(f"({tok(t)})" for t in w["steps"] if t)
     aux = ", ".join(f"{k}={_num(v)}" for k, v in w.get("at_last_step", {}).items() if k.startswith("aux:"))
-    return f"{head}{pre}; {steps}" + (f" [{aux}]" if aux else "")
+    return f"{head}{pre}" + (f"; {steps}" if steps else "") + (f" [{aux}]" if aux else "")
 
 
 def _legacy_counterexample(w: dict | None) -> dict | None:
@@ -356,14 +357,24 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
         return (f"the eigenvalues of the transition could not be proved real and inside [-1, 1]: the decay "
                 f"or the erase gains change sign across channels ({seen}); keep the decay and the erase gains "
                 f"of one sign{tail}")
-    if an["factor"] is not None and not _inside(an["factor"]):
-        what, rng_, need = an["w"], an["W"], "[0, 2] (the erase eigenvalue 1 - c^T a must stay in [-1, 1])"
+    F, sym = an["factor"], an["sym_eig"]
+    if not _inside(an["D"]):
+        what = [an["d"]]
+        found = f"the decay {printer.expr(an['d'])} ranges over {_iv(an['D'])}, which must lie within [-1, 1]"
+    elif sym is not None and (F is None or F[0] < sym[0] - TOL):  # the symmetric form's bound is the tighter
+        what, xy = [an["d"], an["xy"]], Ranges(mixer).of(an["xy"])
+        found = (f"M = D - x y^T is symmetric with least eigenvalue min D - x^T y down to {sym[0]:.4g}, where "
+                 f"D = {printer.expr(an['d'])} ranges over {_iv(an['D'])} and x^T y over {_iv(xy)} "
+                 f"(the values of {printer.expr(an['xy'])})")
     else:
-        what, rng_, need = an["d"], an["D"], "[-1, 1]"
-    found = f"{printer.expr(what)} ranges over {_iv(rng_)}, which must lie within {need}"
-    names = sorted(str(s) for s in sp.sympify(what).free_symbols if str(s) in {i.name for i in mixer.inputs})
+        what = [an["w"]]
+        found = (f"{printer.expr(an['w'])} ranges over {_iv(an['W'])}, which must lie within [0, 2] (the erase "
+                 "eigenvalue 1 - c^T a must stay in [-1, 1])")
+    inputs = {i.name for i in mixer.inputs}
+    names = sorted({str(s) for e in what for s in sp.sympify(e).free_symbols if str(s) in inputs})
     if w:  # the range really is too wide: narrowing the inputs' declared ranges is the fix
-        fix = f"narrow the declared range of {', '.join(names)}" if names else "change the spec"
+        fix = (f"narrow the declared range of {', '.join(names)}" if names else
+               "make it a number of magnitude at most 1")
         return f"eigenvalues of the transition reach outside [-1, 1]: {found}, and {seen}; {fix}{tail}"
     return (f"the eigenvalues of the transition could not be proved inside [-1, 1]: {found} as far as the "
             f"checker can tell (an enclosure, possibly wider than the truth), and {seen}; write it so that its "
