@@ -114,6 +114,15 @@ class Ranges:
             return (v.real, v.real) if v.imag == 0 else FULL
         if e.is_Symbol:
             return self.sym(e)
+        if (e.is_Add or e.is_Mul) and len(e.args) > 2:
+            # terms (factors) in the same symbols are one sub-expression, ranged as a whole: exactly
+            # for one input (-b (b - 2) times m lies in [0, 1] x m, not [0, 2] x m)
+            groups = {}
+            for t in e.args:
+                groups.setdefault(frozenset(t.free_symbols), []).append(t)
+            if 1 < len(groups) < len(e.args):
+                e = e.func(*(e.func(*g, evaluate=False) if len(g) > 1 else g[0] for g in groups.values()),
+                           evaluate=False)
         if e.is_Add:
             los, his = zip(*(self.of(t) for t in e.args))
             r = sum(los), sum(his)

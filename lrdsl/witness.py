@@ -292,7 +292,8 @@ def _run(num: Numeric, w: dict, cycles: int = 1):
     run token by token from zero, as in the reference."""
     K, pre = w["K"], w["prefix"]
     uniq = ([pre["inputs"]] if pre else []) + w["steps"]
-    order = np.array([0] * (pre["repeat"] if pre else 0) + list(range(len(uniq) - len(w["steps"]), len(uniq))) * cycles)
+    first = len(uniq) - len(w["steps"])  # index of the first step among the distinct tokens
+    order = np.array([0] * (pre["repeat"] if pre else 0) + list(range(first, len(uniq))) * cycles)
     T = len(order)
     env = {i.name: np.array([np.broadcast_to(np.asarray(t[i.name], dtype=float), (K if _vector(i) else 1,))
                              for t in uniq])[order] for i in num.inputs}
