@@ -71,6 +71,9 @@ class Plan:
     staged_chunk: int = 64  # BT of the staged forward
     staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
     log_decay_floor: float = -20.0  # see _floored
+    # a 16-token block whose decay stays above exp(-SPAN) in every key channel takes tensor cores
+    # through the block's start (factors up to exp(SPAN), far from fp32's and bf16's exp(88))
+    diagonal_block_span: float = 60.0
     chain: Chain | None = None  # the staged backward's generated chain rule (codegen/chain.py)
     chain_rows: int = 32  # tokens per program of the chain-rule kernel
 
@@ -145,11 +148,6 @@ def _not_staged(m: ir.Mixer) -> str:
     The staged forward writes the erase as a correction of the value: with a = u (the erase
     direction is the write key, as in every delta-rule model), (I - a c^T) D S + a z^T
     = D S + a (z - c^T D S)^T, so one pairwise matrix and one solve give the corrected values."""
-    if m.decay.kind == "diagonal":
-        # correct on the H200 (bf16 GPU suite), but its diagonal blocks, built column by column
-        # with cross-thread reductions, made kda 4.4 ms and gla 3.6 ms against 4.4 and 1.6 ms for
-        # the general kernels (B=4 T=4096 H=16 K=V=128): off until those blocks are rebuilt
-        return "per-key-channel decays take the general kernels"
     if m.delta is not None and m.delta.order == "right":
         return "a decay after the erase takes the general kernels"
     if m.delta is not None and simplified(m.delta.a - m.write.key) != 0:

@@ -130,27 +130,24 @@ def test_novel_spec_written_for_the_tests(case_id, compiled):
     assert out.ok, out.message
 
 
+@pytest.mark.parametrize("strong", [False, True], ids=["tensor-core blocks", "exact blocks"])
 @pytest.mark.parametrize("name", ["kda", "gla", "precond_kda"])
-def test_staged_forward_for_per_channel_decays(name, tmp_path):
-    """The staged forward's per-key-channel path (off by default: slower than the general kernels
-    on the H200 so far) stays correct: rendered with the staged forward switched on."""
-    import dataclasses
-    import importlib.util
-
-    from lrdsl.codegen.plan import plan
-    from lrdsl.codegen.render import render
-    mixer = lrdsl.compile(next(p for p in EXAMPLES if p.stem == name), load_kernels=False)
-    p = plan(mixer.ir)
-    assert not p.staged and "per-key-channel" in p.staged_reason
-    path = tmp_path / f"{name}_staged.py"
-    path.write_text(render(dataclasses.replace(p, staged=True, staged_reason=""), lrdsl.__version__))
-    spec = importlib.util.spec_from_file_location(f"{name}_staged_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_staged_forward_for_per_channel_decays(name, strong, compiled):
+    """The staged forward with a decay per key channel builds each 16-token diagonal block on
+    tensor cores through the block's start, unless the block decays past exp(-SPAN) in some
+    channel (exp(SPAN) would overflow): then column by column. strong=True puts four tokens of
+    log-decay -30 (floored at -20 each) into one channel of one block, so that block takes the
+    exact path while the others do not."""
+    from lrdsl.codegen.plan import Plan, plan
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    assert plan(mixer.ir).staged
     case = Case(B=1, T=150, H=2, HV=2, K=32, V=24, cu_seqlens=(0, 37, 150), initial_state=True, seed=31)
     x, opts = draw_inputs(mixer, case, DEVICE)
-    o, s = mod.staged_fwd({n: t.contiguous() for n, t in x.items()}, case.K ** -0.5, opts["initial_state"],
-                          True, opts["cu_seqlens"])
+    if strong:
+        assert 4 * -Plan.log_decay_floor > Plan.diagonal_block_span
+        x["g"][0, 70:74, 1, 5] = -30.0  # rows 70..73: one 16-token block (69..84) of the second sequence
+    o, s = mixer.kernels.staged_fwd({n: t.contiguous() for n, t in x.items()}, case.K ** -0.5,
+                                    opts["initial_state"], True, opts["cu_seqlens"])
     ref_o, ref_s = reference(mixer, x, dict(opts, scale=case.K ** -0.5))
     e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
     assert e_o < TOL and e_s < TOL, f"{name}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
