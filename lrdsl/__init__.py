@@ -14,3 +14,11 @@ from .errors import InputError, LrdslError, SpecError  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["compile", "Mixer", "SpecError", "InputError", "LrdslError", "__version__"]
+
+
+def __getattr__(name):
+    # lrdsl.nn imports torch: loaded on first use, so `lrdsl show` and `lrdsl check` start without it
+    if name == "nn":
+        import importlib
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'lrdsl' has no attribute {name!r}")
