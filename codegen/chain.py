@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from lrdsl import ir
+from lrdsl import ir, primitives
 
 from .texpr import code, var
 
@@ -39,7 +39,7 @@ class Chain:
 
 def _inline(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
     """e over the inputs only: lets substituted (latest first), squash by its definition."""
-    return m.inline_lets(e).replace(lambda x: isinstance(x, ir.squash), lambda x: x.definition())
+    return primitives.expanded(m.inline_lets(e))
 
 
 def _lower(exprs: list, prefix: str, taken: set):

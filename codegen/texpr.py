@@ -2,7 +2,8 @@
 
 Symbols become the block variables the templates load (`b_<name>`, names already validated as
 plain identifiers by the front end); the head index h becomes `h_f`. Nothing else from the spec
-reaches generated code.
+reaches generated code. Functions (exp, log, abs, softplus, max, ...) are lowered by the texts of
+lrdsl/primitives.py's table.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 
 import sympy as sp
 
-from lrdsl import ir
+from lrdsl import primitives
 
 
 def var(name: str) -> str:
@@ -59,15 +60,9 @@ def code(e: sp.Expr) -> str:
         if x == sp.Rational(-1, 2):
             return f"(1.0 / tl.sqrt({code(b)}))"
         return f"tl.exp({code(x)} * tl.log({code(b)}))"
-    if isinstance(e, sp.exp):
-        return f"tl.exp({code(e.args[0])})"
-    if isinstance(e, sp.log):
-        return f"tl.log({code(e.args[0])})"
-    if isinstance(e, sp.Abs):
-        return f"tl.abs({code(e.args[0])})"
-    if isinstance(e, sp.sign):  # from derivatives of |x|; 0 at 0, as torch's
-        x = code(e.args[0])
-        return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
-    if isinstance(e, ir.squash):
-        return code(e.definition())
+    prim = primitives.of(e)  # exp, log, abs, softplus, ...: the table's text
+    if prim is not None and prim.triton is not None:
+        return prim.triton(*(code(a) for a in e.args))
+    if prim is not None and prim.expand is not None:
+        return code(prim.expand(e))
     raise TypeError(f"no Triton lowering for {e!r}")  # the front end admits nothing else

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from . import ir
+from . import ir, primitives
 from .desugar import desugar
 from .errors import SpecError
 from .symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
 from .syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Readout, Spec, StateDecl, Transpose, Update,
                      Var)
 
-RESERVED = {"S", "G", "I", "T", "o", "h", "inf", "exp", "log", "sqrt", "abs", "sigmoid", "squash", "diag",
+RESERVED = {"S", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
             "mixer", "input", "state", "let", "allow", "decay", "gain", "precond", "solve", "normalize",
             "in", "unit", "l2norm", "shared", "none", "constant", "scalar", "diagonal", "channelwise",
             "atk", "atq", "online", "offline", "scale", "initial_state", "output_final_state",
@@ -195,18 +195,24 @@ class Lowerer:
             return self.squash(n)
         if n.kwargs:
             raise SpecError(f"{f}(...) takes no named arguments", n.span)
-        if len(n.args) != 1:
-            raise SpecError(f"{f}(...) takes one argument, got {len(n.args)}", n.span)
-        x = self.expr(n.args[0])
+        prim = primitives.BY_NAME.get(f)
+        want = 1 if prim is None else prim.arity
+        if len(n.args) != want and not (want == 0 and len(n.args) >= 2):
+            wanted = "two or more arguments" if want == 0 else "one argument" if want == 1 else f"{want} arguments"
+            raise SpecError(f"{f}(...) takes {wanted}, got {len(n.args)}", n.span)
+        xs = [self.expr(a) for a in n.args]
         if f == "diag":
+            x = xs[0]
             if not (isinstance(x, Val) and x.kind in ("K", "scalar")):
                 raise SpecError(f"diag(...) takes a [K] vector (or a number), not {_desc(x)}", n.span)
             return Mat((("diag", x.expr),))
-        if not isinstance(x, Val):
-            raise SpecError(f"{f}(...) applies elementwise to numbers and vectors, not to {_desc(x)}", n.span)
-        fn = {"exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "abs": sp.Abs,
-              "sigmoid": lambda e: 1 / (1 + sp.exp(-e))}[f]
-        return Val(x.kind, fn(x.expr))
+        for x in xs:
+            if not isinstance(x, Val):
+                raise SpecError(f"{f}(...) applies elementwise to numbers and vectors, not to {_desc(x)}", n.span)
+        kind = xs[0].kind
+        for x in xs[1:]:
+            kind = _join(kind, x.kind, n.span, f"take {f}(...) of")
+        return Val(kind, prim.form(*(x.expr for x in xs)))
 
     def squash(self, n: Call):
         if len(n.args) != 1:

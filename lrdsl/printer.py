@@ -4,11 +4,12 @@ from __future__ import annotations
 import sympy as sp
 from sympy.printing.str import StrPrinter
 
-from . import ir
+from . import ir, primitives
 
 
 class _DslPrinter(StrPrinter):
-    """sympy's str printer, in the spec language: '^' for powers, exact rationals, squash's options."""
+    """sympy's str printer, in the spec language: '^' for powers, exact rationals, the functions by
+    their names in the table of primitives."""
 
     def _print_Pow(self, expr, rational=False):
         b, e = expr.as_base_exp()
@@ -24,13 +25,6 @@ class _DslPrinter(StrPrinter):
             exp_ = f"({exp_})"
         return f"{base}^{exp_}"
 
-    def _print_Abs(self, expr):
-        return f"abs({self._print(expr.args[0])})"
-
-    def _print_squash(self, expr):
-        p, x, c = expr.args
-        return f"squash({self._print(p)}, x = {self._print(x)}, center = {self._print(c)})"
-
     def _print_Rational(self, expr):
         return f"{expr.p}/{expr.q}" if expr.q != 1 else str(expr.p)
 
@@ -42,6 +36,18 @@ class _DslPrinter(StrPrinter):
 
     def _print_NegativeInfinity(self, expr):
         return "-inf"
+
+
+def _printer_of(prim):
+    def method(self, e):
+        args = [self._print(a) for a in e.args]
+        return prim.printed(*args) if prim.printed else f"{prim.name}({', '.join(args)})"
+    return method
+
+
+for _prim in primitives.TABLE:  # exp(...), abs(...), softplus(...), max(...), squash(P, x = ..., ...)
+    if _prim.cls is not None and _prim.name:
+        setattr(_DslPrinter, f"_print_{_prim.cls.__name__}", _printer_of(_prim))
 
 
 def expr(e: sp.Expr) -> str:

@@ -7,7 +7,7 @@ import math
 
 import sympy as sp
 
-from . import ir
+from . import ir, primitives
 from .symbolic import MAX_SIMPLIFY_NESTING, nesting
 
 INF = float("inf")
@@ -51,10 +51,6 @@ def _pow(b, n):
         return FULL
     ends = [_p(max(lo, 0.0), n), _p(hi, n)]
     return min(ends), max(ends)
-
-
-def _exp(a):
-    return tuple(math.exp(x) if x < 700 else INF for x in a)
 
 
 class Ranges:
@@ -137,17 +133,9 @@ class Ranges:
             if ex.is_number:
                 return _pow(self.of(base), float(ex))
             if base.is_number and float(base) > 0:  # b^x = exp(x log b)
-                return _exp(_mul(self.of(ex), (math.log(float(base)),) * 2))
+                return primitives.BY_NAME["exp"].range(_mul(self.of(ex), (math.log(float(base)),) * 2))
             return FULL
-        if isinstance(e, sp.exp):
-            return _exp(self.of(e.args[0]))
-        if isinstance(e, sp.log):
-            lo, hi = self.of(e.args[0])
-            return FULL if hi <= 0 else (math.log(lo) if lo > 0 else -INF, math.log(hi))
-        if isinstance(e, sp.Abs):
-            lo, hi = self.of(e.args[0])
-            return (lo, hi) if lo >= 0 else (-hi, -lo) if hi <= 0 else (0.0, max(-lo, hi))
-        if isinstance(e, ir.squash):
-            x = self.of(e.args[1])[1]  # m lies in (1/x, x) whatever P is
-            return (1 / x, x) if x >= 1 else FULL
+        prim = primitives.of(e)  # exp, log, abs, softplus, max, squash, ...: the table's rule
+        if prim is not None and prim.range is not None:
+            return prim.range(*(self.of(a) for a in e.args))
         return FULL

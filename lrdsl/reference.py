@@ -9,11 +9,8 @@ import math
 import sympy as sp
 import torch
 
-from . import ir
+from . import ir, primitives
 from .tensors import L2NORM_EPS, Batch, compute_dtype
-
-_UNARY = {sp.exp: torch.exp, sp.log: torch.log, sp.Abs: torch.abs}
-
 
 def to_torch(e: sp.Expr):
     """Compile a sympy expression into a function of an environment {name: tensor}."""
@@ -35,12 +32,12 @@ def to_torch(e: sp.Expr):
             lb = math.log(float(e.base))
             return lambda env: torch.exp(lb * torch.as_tensor(fe(env)))
         return lambda env: torch.as_tensor(fb(env)) ** fe(env)
-    if isinstance(e, ir.squash):
-        return to_torch(e.definition())
-    for fn, tfn in _UNARY.items():
-        if isinstance(e, fn):
-            f = to_torch(e.args[0])
-            return lambda env: tfn(torch.as_tensor(f(env)))
+    prim = primitives.of(e)  # exp, log, abs, softplus, ...: the table's torch function
+    if prim is not None and prim.torch is not None:
+        fs = [to_torch(a) for a in e.args]
+        return lambda env: prim.torch(*(f(env) for f in fs))
+    if prim is not None and prim.expand is not None:
+        return to_torch(prim.expand(e))
     raise TypeError(f"the reference cannot evaluate {e!r}")  # the lowering admits nothing else
 
 

@@ -10,6 +10,7 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from .errors import Span, SpecError
+from .primitives import NAMES
 
 MAX_NESTING = 64
 MAX_BYTES = 1 << 20
@@ -302,6 +303,8 @@ class _ToAst(Transformer):
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
     text = resources.files("lrdsl.grammar").joinpath("lrdsl.lark").read_text()
+    names = sorted((*NAMES, "diag"), key=lambda n: (-len(n), n))  # longest first: log1p before log
+    text = text.replace("@FUNCTIONS@", "|".join(names))
     return Lark(text, parser="lalr", strict=True, propagate_positions=True, maybe_placeholders=True)
 
 

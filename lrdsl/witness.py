@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import sympy as sp
 
-from . import ir
+from . import ir, primitives
 from .ranges import INF
 
 PREFIXES = np.array([0, 1, 2, 3, 5, 8, 13, 21, 34])  # prefix lengths drawn when there are aux states
@@ -40,8 +40,7 @@ class Numeric:
 
 
 def _fn(args, e):
-    e = sp.sympify(e).replace(lambda x: isinstance(x, ir.squash), lambda x: x.definition())
-    return sp.lambdify(args, e, "numpy")
+    return sp.lambdify(args, primitives.expanded(e), [primitives.NUMPY, "numpy"])
 
 
 def numeric(mixer: ir.Mixer) -> Numeric:
