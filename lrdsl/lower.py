@@ -199,7 +199,8 @@ class Lowerer:
         want = 1 if prim is None else prim.arity
         if len(n.args) != want and not (want == 0 and len(n.args) >= 2):
             wanted = "two or more arguments" if want == 0 else "one argument" if want == 1 else f"{want} arguments"
-            raise SpecError(f"{f}(...) takes {wanted}, got {len(n.args)}", n.span)
+            usage = f"; write {f}({prim.params})" if prim else ""
+            raise SpecError(f"{f}(...) takes {wanted}, got {len(n.args)}{usage}", n.span)
         xs = [self.expr(a) for a in n.args]
         if f == "diag":
             x = xs[0]

@@ -128,12 +128,15 @@ def _heaviside_rule(a, h0=(0.5, 0.5)):
 def _log1p_text(x):
     # log(u) * x / (u - 1) with u = 1 + x (rounded) cancels the rounding of 1 + x (Goldberg)
     u = f"(1.0 + {x})"
-    return f"tl.where({u} == 1.0, {x}, tl.log({u}) * {x} / ({u} - 1.0))"
+    return f"tl.where({u} == 1.0, {x}, tl.log({u}) * {x} / tl.where({u} == 1.0, 1.0, {u} - 1.0))"
 
 
 def _tanh_text(x):
-    e = f"tl.exp(-2.0 * tl.abs({x}))"  # in (0, 1]: no overflow at either end
-    return f"(tl.where({x} < 0, -1.0, 1.0) * (1.0 - {e}) / (1.0 + {e}))"
+    # (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: no overflow at either end, but 1 - e cancels
+    # for small |x|, where the series x - x^3/3 + 2x^5/15 is exact to float32 (|x| < 0.1)
+    e = f"tl.exp(-2.0 * tl.abs({x}))"
+    series = f"{x} * (1.0 + {x} * {x} * (-0.3333333333333333 + 0.13333333333333333 * {x} * {x}))"
+    return f"tl.where(tl.abs({x}) < 0.1, {series}, tl.where({x} < 0, -1.0, 1.0) * (1.0 - {e}) / (1.0 + {e}))"
 
 
 def _fold(fn):
@@ -153,6 +156,7 @@ class Primitive:
     derivative: Callable | None = None  # arguments -> d/dx (classes defined here); None: sympy's own
     expand: Callable | None = None  # node -> an equivalent expression of other entries
     numpy: Callable | None = None  # arrays -> array, for the checker's witnesses; None: lambdify's own
+    params: str = "x"  # the arguments, as error messages and the README show them
 
 
 def _np():
@@ -200,12 +204,13 @@ TABLE = (
               derivative=lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x))),
               numpy=lambda x: x / (1 + _np().exp(-x))),
     Primitive("max", 0, sp.Max, sp.Max, lambda *a: (max(x[0] for x in a), max(x[1] for x in a)),
-              lambda *xs: _reduce("maximum", xs), _fold("tl.maximum")),
+              lambda *xs: _reduce("maximum", xs), _fold("tl.maximum"), params="x, y, ..."),
     Primitive("min", 0, sp.Min, sp.Min, lambda *a: (min(x[0] for x in a), min(x[1] for x in a)),
-              lambda *xs: _reduce("minimum", xs), _fold("tl.minimum")),
-    Primitive("clamp", 3, lambda x, lo, hi: sp.Min(sp.Max(x, lo), hi)),
+              lambda *xs: _reduce("minimum", xs), _fold("tl.minimum"), params="x, y, ..."),
+    Primitive("clamp", 3, lambda x, lo, hi: sp.Min(sp.Max(x, lo), hi), params="x, lo, hi"),
     Primitive("squash", 3, ir.squash, ir.squash, _squash_rule,
-              printed=lambda p, x, c: f"squash({p}, x = {x}, center = {c})", expand=lambda e: e.definition()),
+              printed=lambda p, x, c: f"squash({p}, x = {x}, center = {c})", expand=lambda e: e.definition(),
+              params="P, x = 1.5, center = -0.2"),
     # nodes of derivatives: d|x| = sign(x), d max(x, y)/dx = Heaviside(x - y) (1/2 at a tie)
     Primitive("", 1, sp.sign, sp.sign, monotone(lambda x: float((x > 0) - (x < 0)), -1.0, 1.0),
               _tf("sign"), lambda x: f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"),
