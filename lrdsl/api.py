@@ -121,7 +121,7 @@ class Mixer:
             names = tuple(i.name for i in self.ir.inputs)
             return autograd.KeptChunkFunction.apply(self.ir, self.kernels, batch, names, initial_state,
                                                     *tensors)
-        o, ht = self.chunk_op(tensors, initial_state, batch.scale, cu_seqlens, bool(output_final_state))
+        o, ht, _ = self.chunk_op(tensors, initial_state, batch.scale, cu_seqlens, bool(output_final_state))
         return o, (ht if output_final_state else None)
 
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,

@@ -79,12 +79,13 @@ def _batch_like(batch: Batch, tensors: dict) -> Batch:
                  False, batch.cu_seqlens)
 
 
-def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved=None):
-    """Gradients of every input (None where not needed) and of h0, for the chunked kernels."""
+def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved=None, residual=None):
+    """Gradients of every input (None where not needed) and of h0, for the chunked kernels
+    (`residual`: what the forward kept for the backward, or None)."""
     inputs, h0, cu = host_args(names, tensors, h0, batch.cu_seqlens)
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
-    vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved)
+    vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual)
     if module.HAS_CHAIN_RULE and "a" not in vgrads:  # the staged backward ran: its chain rule too
         g = module.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(names, needs)], dh0
@@ -154,10 +155,13 @@ def chunk_op(mixer_ir, module, key: str):
 
     @torch.library.custom_op(lib + "_fwd", mutates_args=())
     def fwd(tensors: list[torch.Tensor], h0: torch.Tensor | None, scale: float,
-            cu_seqlens: torch.Tensor | None, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            cu_seqlens: torch.Tensor | None, output_final_state: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the third output is what the backward reuses (the staged forward's WY inverse), or empty
         inputs, h0c, cu = host_args(names, tensors, h0, cu_seqlens)
-        o, ht = module.chunk_fwd(inputs, scale, h0c, output_final_state, cu)
-        return o, (ht if ht is not None else o.new_empty(0, dtype=torch.float32))
+        o, ht, res = module.chunk_fwd(inputs, scale, h0c, output_final_state, cu, residual=True)
+        return (o, ht if ht is not None else o.new_empty(0, dtype=torch.float32),
+                res if res is not None else o.new_empty(0))
 
     @fwd.register_fake
     def _(tensors, h0, scale, cu_seqlens, output_final_state):
@@ -165,36 +169,41 @@ def chunk_op(mixer_ir, module, key: str):
         v = tensors[names.index("v")]
         o = v.new_empty(B, T, HV, V)
         ht = v.new_empty((N, HV, K, V) if output_final_state else (0,), dtype=torch.float32)
-        return o, ht
+        res = v.new_empty(0)
+        if module.keeps_residual(K):
+            res = v.new_empty(B, T, HV, module.STAGED_CHUNK,
+                              dtype=torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32)
+        return o, ht, res
 
     @torch.library.custom_op(lib + "_bwd", mutates_args=())
     def bwd(tensors: list[torch.Tensor], h0: torch.Tensor | None, scale: float,
             cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None,
-            needs: list[bool]) -> list[torch.Tensor]:
+            needs: list[bool], residual: torch.Tensor) -> list[torch.Tensor]:
         batch = batch_of(tensors, scale, cu_seqlens, False)
-        grads, dh0 = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs)
+        grads, dh0 = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs,
+                                 residual=residual if residual.numel() else None)
         out = [g if g is not None else t.new_empty(0) for g, t in zip(grads, tensors)]
         return out + [dh0.to(h0.dtype) if dh0 is not None else do.new_empty(0)]
 
     @bwd.register_fake
-    def _(tensors, h0, scale, cu_seqlens, do, dht, needs):
+    def _(tensors, h0, scale, cu_seqlens, do, dht, needs, residual):
         out = [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip(tensors, needs)]
         return out + [torch.empty_like(h0) if h0 is not None else do.new_empty(0)]
 
     def setup_context(ctx, inputs, output):
         tensors, h0, scale, cu_seqlens, output_final_state = inputs
-        ctx.save_for_backward(*tensors, *( [h0] if h0 is not None else []))
+        ctx.save_for_backward(*tensors, output[2], *([h0] if h0 is not None else []))
         ctx.meta = (len(tensors), h0 is not None, scale, cu_seqlens, output_final_state)
 
-    def backward(ctx, do, dht):
+    def backward(ctx, do, dht, _dres):
         n, has_h0, scale, cu_seqlens, output_final_state = ctx.meta
         saved = ctx.saved_tensors
-        tensors, h0 = list(saved[:n]), (saved[n] if has_h0 else None)
+        tensors, residual, h0 = list(saved[:n]), saved[n], (saved[n + 1] if has_h0 else None)
         needs = [t.requires_grad for t in tensors]
         if do is None:
             do = torch.zeros_like(fwd_out_like(tensors))
         dht = dht if (output_final_state and dht is not None and dht.numel()) else None
-        res = bwd(tensors, h0, scale, cu_seqlens, do, dht, needs)
+        res = bwd(tensors, h0, scale, cu_seqlens, do, dht, needs, residual)
         grads = [g if need else None for g, need in zip(res[:n], needs)]
         return grads, (res[n] if has_h0 else None), None, None, None
 
