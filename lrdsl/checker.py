@@ -17,7 +17,7 @@ import math
 import sympy as sp
 
 from . import ir, printer, witness
-from .ranges import FULL, INF, TOL, Ranges, _mul
+from .ranges import FULL, INF, TOL, Ranges, _meet, _mul
 from .symbolic import simplified
 
 PROVED, DISPROVED, UNKNOWN = "proved", "disproved", "unknown"
@@ -77,7 +77,9 @@ def analyse(mixer: ir.Mixer) -> dict:
     for u in (i for i in mixer.inputs if i.unit):
         w = simplified(c * a / u.symbol ** 2)
         if not w.has(u.symbol):
-            W = rg.of(w)
+            # the product as written is ranged too: simplify may lose what the ranges see (it turns
+            # 1/(1 + exp(-b)) into exp(b)/(exp(b) + 1), two b for interval arithmetic)
+            W = _meet(rg.of(w), rg.of(c * a / u.symbol ** 2))
             F = (min(1.0, 1 - W[1]), max(1.0, 1 - W[0]))
             out.update(w=w, W=W, factor=F)
             notes.append(f"{u.name} has unit norm and c*a = ({w}) {u.name}^2, so c^T a is a convex combination "
@@ -133,7 +135,7 @@ def _symmetric_form(mixer, rg, d, a, c, D, u):
     dw = simplified(d * a * c / u ** 2)
     if dw.has(u):
         return None
-    lo, hi = rg.of(dw)
+    lo, hi = _meet(rg.of(dw), rg.of(d * a * c / u ** 2))  # as written, and simplified
     return D[0] - max(0.0, hi), D[1] - min(0.0, lo), dw
 
 

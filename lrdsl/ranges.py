@@ -53,6 +53,11 @@ def _pow(b, n):
     return min(ends), max(ends)
 
 
+def _meet(a, b):
+    """The intersection of two enclosures of the same values."""
+    return max(a[0], b[0]), min(a[1], b[1])
+
+
 class Ranges:
     """Interval of any per-token expression, from the declared input ranges and inferred states."""
 
@@ -61,6 +66,8 @@ class Ranges:
         self.aux = {ir.symbol(a.name): a for a in mixer.aux}
         self.lets = {ir.symbol(l.name): l for l in mixer.lets}
         self.memo = {}
+        self.corner_memo = {}
+        self.in_derivative = False  # ranging a partial derivative: no corner analysis inside it
 
     def sym(self, s):
         if s not in self.memo:
@@ -100,9 +107,68 @@ class Ranges:
             return None
         return float(r.inf), float(r.sup)
 
+    def _end(self, s, upper: bool):
+        """The lower or upper end of a symbol's range, as a sympy number (exact for inputs)."""
+        i = self.inputs.get(s)
+        if i is not None:
+            return i.hi if upper else i.lo
+        v = self.sym(s)[upper]
+        return sp.oo if v == INF else -sp.oo if v == -INF else sp.Float(v)
+
+    def _at(self, e, s, upper: bool):
+        """e at one end of s's range: substituted, or its one-sided limit where that is 0/0 or an
+        infinite end; None where sympy cannot say."""
+        v = self._end(s, upper)
+        if v.is_finite:
+            out = e.subs(s, v)
+            if not out.has(sp.nan, sp.zoo, sp.oo, -sp.oo):
+                return out
+        try:
+            out = sp.limit(e, s, v, "-" if upper else "+")
+        except Exception:  # sympy could not decide (NotImplementedError and kin)
+            return None
+        return None if out.has(sp.nan, sp.zoo, sp.AccumBounds, sp.Limit) else out
+
+    def corners(self, e):
+        """The range of e from its monotonicity in each symbol: where a partial derivative keeps one
+        sign over the box (by the ranges of the derivative), the extremes lie on that face of the box,
+        so the symbol is fixed at the matching end and the rest ranged (exact at the corners when every
+        symbol is monotone: b c / (b + c) on (0, 1)^2 gives (0, 1/2)); None where no symbol is."""
+        syms = sorted(e.free_symbols, key=str)
+        if self.in_derivative or not 1 <= len(syms) <= 4 or sp.count_ops(e) > 40 or \
+                nesting(e) > MAX_SIMPLIFY_NESTING:
+            return None
+        if e in self.corner_memo:
+            return self.corner_memo[e]
+        self.corner_memo[e] = None  # a let ranged through itself meets this
+        # a derivative's sign says nothing across a pole (-b/e^2 <= 0, yet b/e spans the line for e
+        # in (-1, 1)): every divisor must keep one sign over the box
+        if any(p.exp.is_negative and self.of(p.base)[0] < 0 < self.of(p.base)[1] for p in e.atoms(sp.Pow)):
+            return None
+        self.in_derivative, signs = True, {}
+        try:
+            for s in syms:
+                d = sp.diff(e, s)
+                lo, hi = _meet(self.of(d), self.of(sp.factor(d)))  # c/(b+c) - bc/(b+c)^2 = c^2/(b+c)^2
+                if lo >= 0 or hi <= 0:
+                    signs[s] = lo >= 0
+        finally:
+            self.in_derivative = False
+        out = None
+        if signs:
+            ends = []
+            for upper in (False, True):
+                f = e
+                for s, rising in signs.items():
+                    f = self._at(f, s, upper == rising) if f is not None else None
+                ends.append(None if f is None else self.of(f)[upper])
+            out = None if None in ends else tuple(ends)
+        self.corner_memo[e] = out
+        return out
+
     def of(self, e) -> tuple:
         if not e.is_number and not e.is_Symbol:
-            r = self.exact(e)
+            r = self.exact(e) or self.corners(e)
             if r is not None:
                 return r
         if e.is_number:
