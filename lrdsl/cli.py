@@ -15,6 +15,9 @@ EPILOG = """examples:
   lrdsl fuzz examples/gdn2.lr --examples 20    kernels vs the float64 reference on random cases
   lrdsl bench examples/gated_deltanet.lr --backward
                                                GPU: ms, TFLOP/s and memory beside FLA's twin
+  lrdsl mqar examples/gated_deltanet.lr examples/gdn2.lr --plot mqar.png
+                                               train a 2-layer model per spec on associative recall
+  lrdsl check examples/gdn2.lr --plot gdn2.png   draw the eigenvalues, decay horizon and growth witness
 """
 
 
@@ -57,7 +60,57 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--backward", action="store_true", help="also time forward + backward and its peak memory")
     b.add_argument("--no-fla", dest="fla", action="store_false",
                    help="time lrdsl alone (by default FLA's twin is timed when fla-core is importable)")
+    _mqar_parser(sub)
     return p
+
+
+def _ints(text: str) -> tuple:
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return tuple(sorted({int(p) for p in parts}))
+
+
+# the defaults of lrdsl.mqar.Config (written out: importing it would import torch for every command)
+MQAR_DEFAULTS = dict(seq_lens="64,128,256", pairs="4,8,16,32,64", vocab=8192, d_model=128, n_layers=2, heads=2,
+                     head_dim=64, steps=1000, batch=64, lr=3e-3, eval_sequences=256, seed=0)
+
+
+def _mqar_parser(sub) -> None:
+    d = MQAR_DEFAULTS
+    m = sub.add_parser("mqar", help="multi-query associative recall: train a small model per spec, compare accuracy",
+                       description="Multi-query associative recall (the Zoology setting): each sequence holds "
+                       "key-value pairs, then every key is queried once; the model must answer with its value. "
+                       "One model per spec (embedding, n x [lrdsl.nn.Layer, MLP], RMSNorm, head), trained for "
+                       "a fixed number of steps on every (sequence length, pairs) setting in turn, then "
+                       "evaluated on fresh sequences of each setting; every spec sees the same data. Prints "
+                       "the accuracy per spec and setting. The defaults are sized for a GPU (bf16 autocast); "
+                       "on a CPU (Triton's interpreter) take a tiny setting, e.g. --seq-lens 16 --pairs 2,4 "
+                       "--vocab 32 --d-model 32 --heads 1 --head-dim 16 --batch 4 --steps 30.")
+    m.add_argument("spec", nargs="+", help="path(s) to .lr spec files")
+    m.add_argument("--steps", type=int, default=d["steps"], help="training steps per spec (default: %(default)s)")
+    m.add_argument("--batch", type=int, default=d["batch"], help="sequences per step (default: %(default)s)")
+    m.add_argument("--lr", type=float, default=d["lr"],
+                   help="peak learning rate of Adam, after a warm-up, before a cosine decay (default: %(default)s)")
+    m.add_argument("--seq-lens", type=_ints, default=d["seq_lens"], metavar="T,T,...",
+                   help="sequence lengths (default: %(default)s)")
+    m.add_argument("--pairs", type=_ints, default=d["pairs"], metavar="P,P,...",
+                   help="numbers of key-value pairs; a setting needs T >= 4 P (default: %(default)s)")
+    m.add_argument("--vocab", type=int, default=d["vocab"],
+                   help="vocabulary size: keys from the lower half, values from the upper (default: %(default)s)")
+    m.add_argument("--d-model", type=int, default=d["d_model"], metavar="D", help="model width (default: %(default)s)")
+    m.add_argument("--layers", type=int, default=d["n_layers"], metavar="N",
+                   help="blocks of mixer and MLP (default: %(default)s)")
+    m.add_argument("--heads", type=int, default=d["heads"], metavar="H", help="heads per mixer (default: %(default)s)")
+    m.add_argument("--head-dim", type=int, default=d["head_dim"], metavar="K", help="K = V (default: %(default)s)")
+    m.add_argument("--eval-sequences", type=int, default=d["eval_sequences"], metavar="N",
+                   help="held-out sequences per setting (default: %(default)s)")
+    m.add_argument("--seed", type=int, default=d["seed"],
+                   help="seed of the data and of the initialisation, the same for every spec (default: %(default)s)")
+    m.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where to train (default: cuda when available, else cpu through Triton's interpreter)")
+    m.add_argument("--plot", metavar="FILE", default=None,
+                   help="save a plot of accuracy against pairs, one line per spec, one panel per T (needs matplotlib)")
 
 
 def cmd_bench(args) -> int:
@@ -206,6 +259,59 @@ def cmd_fuzz(args) -> int:
     return 1
 
 
+def _device(asked: str | None) -> str:
+    """cuda when asked for (and present) or when available; else cpu, through Triton's interpreter,
+    which must be switched on before triton is first imported."""
+    import os
+
+    from .errors import LrdslError
+    device = asked
+    if device != "cpu":
+        import torch
+        if device == "cuda" and not torch.cuda.is_available():
+            raise LrdslError("--device cuda: torch sees no CUDA device")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise LrdslError("triton was imported before TRITON_INTERPRET=1 could be set")
+        os.environ["TRITON_INTERPRET"] = "1"
+    return device
+
+
+def cmd_mqar(args) -> int:
+    from .errors import LrdslError
+    from .mqar import Config
+    cfg = Config(seq_lens=args.seq_lens, pairs=args.pairs, vocab=args.vocab, d_model=args.d_model,
+                 n_layers=args.layers, heads=args.heads, head_dim=args.head_dim, steps=args.steps,
+                 batch=args.batch, lr=args.lr, eval_sequences=args.eval_sequences, seed=args.seed)
+    cfg.validate()
+    from . import mqar
+    if args.plot and not mqar.plot_available():
+        raise LrdslError("--plot needs matplotlib, which is not installed: pip install matplotlib, or leave "
+                         "out --plot to print the table only")
+    device = _device(args.device)
+    from .api import compile
+    from .nn import Layer
+    mixers = {}
+    for path in args.spec:  # every spec compiled and fitted into a layer before any training
+        m = compile(path)
+        Layer(m, 8, 1, 8)
+        mixers[m.name if m.name not in mixers else path] = m
+    results = {}
+    for i, (name, m) in enumerate(mixers.items()):
+        print(f"[{i + 1}/{len(mixers)}] {name}: {cfg.steps} steps on {device}", file=sys.stderr, flush=True)
+        bar = mqar.Progress(name)
+        try:
+            results[name] = mqar.train(m, cfg, device, bar)
+        finally:
+            bar.close()
+    print(mqar.table(results, cfg))
+    if args.plot:
+        mqar.plot(results, cfg, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command is None:
@@ -213,7 +319,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return {"show": cmd_show, "check": cmd_check, "compile": cmd_compile,
-                "fuzz": cmd_fuzz, "bench": cmd_bench}[args.command](args)
+                "fuzz": cmd_fuzz, "bench": cmd_bench, "mqar": cmd_mqar}[args.command](args)
     except SpecError as e:
         print(str(e), file=sys.stderr)
         ctx = e.context()
