@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="prove or disprove facts about the transition's eigenvalues")
     c.add_argument("spec", help="path to a .lr spec file")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    c.add_argument("--plot", metavar="FILE", default=None,
+                   help="also draw the eigenvalues per head, the decay horizon and any witness of unbounded "
+                        "growth into FILE (.png, .svg, .pdf; needs matplotlib)")
     g = sub.add_parser("compile", help="write the generated kernels module (imports only torch and triton)")
     g.add_argument("spec", help="path to a .lr spec file")
     g.add_argument("-o", "--output", metavar="DIR", default=".",
@@ -154,6 +157,11 @@ def cmd_show(args) -> int:
 
 def cmd_check(args) -> int:
     from .checker import explain, stability_error
+    if args.plot:
+        from . import checkplot
+        if not checkplot.available():
+            raise LrdslError("--plot needs matplotlib, which is not installed: pip install matplotlib, "
+                             "or leave out --plot")
     m = _load(args.spec, check_stability=False)
     facts = m.check()
     msg = stability_error(m.ir, facts)
@@ -163,6 +171,9 @@ def cmd_check(args) -> int:
         from .printer import transition
         print(f"mixer {m.name}: M_t = {transition(m.ir)}")
         print(explain(facts), end="")
+    if args.plot:  # drawn for a refused spec too: that picture says why
+        checkplot.draw(m, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     if msg:
         raise SpecError(msg, m.ir.error_span(facts), m.source, m.filename)
     return 0
