@@ -176,5 +176,6 @@ def _growth(ax, m, facts) -> None:
     ax.set_xlabel("tokens of the repeated cycle (zero writes)" +
                   (f"\nafter a {pre}-token prefix that builds the aux states" if pre else ""), fontsize=8)
     ax.set_ylabel("||S_t|| / ||S_0||" + (" (S_0: after the prefix)" if pre else ", S_0 = I"))
-    ax.set_title(f"bounded state disproved: the witness replayed (K = {w['K']})\na cycle of "
-                 f"{len(w['steps'])} token{'s' if len(w['steps']) > 1 else ''}, spectral radius {w['value']:.4g} per cycle", fontsize=9)
+    n = len(w["steps"])
+    ax.set_title(f"bounded state disproved: the witness replayed (K = {w['K']})\na cycle of {n} "
+                 f"token{'s' if n > 1 else ''}, spectral radius {w['value']:.4g} per cycle", fontsize=9)
