@@ -69,9 +69,12 @@ def tolerance(name):
     return TOL_QKV if name in ("q", "k", "v", "initial_state") else TOL_GATE
 
 
-def compare(mixer, case: Case, output_final_state=True, seed=0):
-    """Chunk (fp32) vs float64 reference gradients for a case: (errors {name: ratio}, failures)."""
+def compare(mixer, case: Case, output_final_state=True, seed=0, edit=None):
+    """Chunk (fp32) vs float64 reference gradients for a case: (errors {name: ratio}, failures).
+    edit(x) may change the drawn inputs in place first."""
     x, opts = draw_inputs(mixer, case, "cpu")
+    if edit is not None:
+        edit(x)
     h0 = opts.pop("initial_state")
     opts["output_final_state"] = output_final_state
     o_shape = (case.B, case.T, case.HV, case.V)
@@ -399,3 +402,36 @@ def test_backward_reuses_the_forwards_solve(compiled):
         mod.staged_solve = original
     assert not failures, describe(failures)
     assert len(launches) == 1, f"the solve ran {len(launches)} times in one forward + backward"
+
+
+@pytest.mark.parametrize("strong", [False, True], ids=["tensor-core blocks", "exact blocks"])
+@pytest.mark.parametrize("name", ["kda", "gla", "precond_kda"])
+def test_staged_backward_for_per_channel_decays(name, strong, compiled):
+    """The staged backward with a decay per key channel takes its pairwise gradients by 16-token
+    blocks; a diagonal block that decays past exp(-SPAN) in some channel goes column by column
+    (strong=True: four tokens of log-decay -30, floored at -20 each, in one channel of one
+    block). Gradients of every input and of h0 against the float64 reference, packed sequences."""
+    from lrdsl.codegen.plan import Plan
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    mod = mixer.kernels
+    launches = []
+    original = mod.staged_dk
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return original[grid]
+
+    def edit(x):
+        if strong:
+            assert 4 * -Plan.log_decay_floor > Plan.diagonal_block_span
+            x["g"][0, 70:74, 1, 5] = -30.0  # rows 70..73: one block (69..84) of the second sequence
+
+    case = Case(B=1, T=100, H=2, HV=2, K=32, V=24, cu_seqlens=(0, 37, 100), initial_state=True, seed=31)
+    mod.staged_dk = Counting()
+    try:
+        errors, failures = compare(mixer, case, output_final_state=True, seed=5, edit=edit)
+    finally:
+        mod.staged_dk = original
+    assert launches, "the staged backward did not run"
+    assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
