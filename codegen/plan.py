@@ -67,6 +67,9 @@ class Plan:
     # the staged forward (chunk_staged.py.jinja): WY stage, state pass, output stage
     staged: bool = False  # this spec has the staged forward (see staged_reason)
     staged_reason: str = ""  # why not, for the generated module's header
+    # the backward takes the staged kernels too. With a decay per key channel they pass the CPU
+    # suite (Triton's interpreter) but have not run on the GPU yet: off there until they have
+    staged_backward: bool = False
     staged_max_k: int = 128  # wider keys take the general kernels
     staged_chunk: int = 64  # BT of the staged forward
     staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
@@ -128,6 +131,7 @@ def plan(m: ir.Mixer) -> Plan:
         chunk_size=16 if m.decay.kind == "diagonal" else 64,
         staged=not not_staged,
         staged_reason=not_staged,
+        staged_backward=not not_staged and m.decay.kind != "diagonal",
         chain=chain(m) if not not_staged and m.decay.kind != "diagonal" else None,
     )
 
