@@ -235,23 +235,12 @@ class _ProgressBar:
 
 
 def cmd_fuzz(args) -> int:
-    import os
-
     from .errors import LrdslError
     if args.examples < 1:
         raise LrdslError(f"--examples must be at least 1, got {args.examples}")
     if args.tol is not None and not args.tol > 0:
         raise LrdslError(f"--tol must be positive, got {args.tol}")
-    device = args.device
-    if device != "cpu":
-        import torch
-        if device == "cuda" and not torch.cuda.is_available():
-            raise LrdslError("--device cuda: torch sees no CUDA device")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise LrdslError("triton was imported before TRITON_INTERPRET=1 could be set")
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the kernels module does)
+    device = _device(args.device)
     tol = args.tol if args.tol is not None else (1e-4 if device == "cpu" else 5e-3)
     from .fuzz import run_fuzz
     m = _load(args.spec, check_stability=True)

@@ -211,3 +211,36 @@ def test_layer_trains(compiled, name):
         losses.append(loss.item())
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert math.isfinite(last) and last < 0.2 * first, f"{name}: loss {first:.3f} -> {last:.3f}: {losses}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", SPECS)
+def test_layer_on_the_gpu_bf16_and_inductor(name):
+    """On the GPU (bf16 kernels): prefill then decode against one pass under bf16 autocast, a few
+    training steps, and torch.compile with inductor equal to eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    L = Layer(spec(name), 256, 4, 64).cuda()
+    x = torch.randn(2, 300, 256, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        whole, _ = L(x)
+        y, cache = L(x[:, :200], use_cache=True)
+        outs = [y]
+        for a, b in ((200, 201), (201, 240), (240, 300)):
+            outs.append(L(x[:, a:b], cache)[0])
+    assert rms_ratio(torch.cat(outs, 1).float(), whole.float()) < 1e-2  # bf16: about 3e-3
+    opt, target, losses = torch.optim.Adam(L.parameters(), 1e-3), torch.randn_like(x), []
+    for _ in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.mse_loss(L(x)[0].float(), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    compiled_layer = torch.compile(lambda t: L(t)[0])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = compiled_layer(x[:, :128])
+        y.float().sum().backward()
+        assert rms_ratio(y.float(), L(x[:, :128])[0].float()) < 1e-2
