@@ -53,6 +53,11 @@ def _pow(b, n):
     return min(ends), max(ends)
 
 
+# functions sympy's function_range handles slowly or not at all (tanh(b) + silu(b) clamped: a minute)
+NOT_FOR_CALCULUS = (sp.Min, sp.Max, sp.tanh, sp.Heaviside, sp.sign, primitives.softplus, primitives.log1p,
+                    primitives.silu)
+
+
 def _meet(a, b):
     """The intersection of two enclosures of the same values."""
     return max(a[0], b[0]), min(a[1], b[1])
@@ -96,7 +101,9 @@ class Ranges:
         syms = e.free_symbols
         x = next(iter(syms)) if len(syms) == 1 else None
         i = self.inputs.get(x)
-        if i is None or nesting(e) > MAX_SIMPLIFY_NESTING or sp.count_ops(e) > 40:
+        if i is None or self.in_derivative or nesting(e) > MAX_SIMPLIFY_NESTING or sp.count_ops(e) > 40:
+            return None
+        if e.has(*NOT_FOR_CALCULUS):  # sympy's calculus takes minutes over these: corners() does them
             return None
         from sympy.calculus.util import function_range
         try:
