@@ -90,6 +90,13 @@ class Plan:
         """(block variable, kind, pointer name) of every auxiliary state."""
         return tuple((a[0], a[1], aux_ptr(a[0])) for a in self.aux)
 
+    @property
+    def aux_io(self) -> tuple:
+        """(block variable, kind, initial-state pointer, final-state pointer) of every auxiliary
+        state ("auxin_"/"auxout_" cannot meet "aux_" names, nor each other)."""
+        return tuple((a[0], a[1], "auxin_" + a[0][2:] + "_ptr", "auxout_" + a[0][2:] + "_ptr")
+                     for a in self.aux)
+
     def key(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 

@@ -11,9 +11,10 @@ if not _os.path.isdir(_os.path.join(__path__[0], "codegen")) and \
 
 from .api import Mixer, compile  # noqa: E402
 from .errors import InputError, LrdslError, SpecError  # noqa: E402
+from .tensors import MixerState  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["compile", "Mixer", "SpecError", "InputError", "LrdslError", "__version__"]
+__all__ = ["compile", "Mixer", "MixerState", "SpecError", "InputError", "LrdslError", "__version__"]
 
 
 def __getattr__(name):

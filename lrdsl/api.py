@@ -83,13 +83,49 @@ class Mixer:
         import torch
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in [*batch.tensors.values(), initial_state]):
+                                           for t in [*batch.tensors.values(), batch.initial_state,
+                                                     *(batch.initial_aux or ())]):
             raise InputError("mixer.recurrent is forward-only (the decode path): call it under "
                              "torch.no_grad() or on tensors without requires_grad, and train "
                              "through mixer.chunk, which has the chunked backward")
+        if self._whole_state(batch):
+            from .autograd import host_args
+            names = [i.name for i in self.ir.inputs]
+            tensors, h0, cu = host_args(names, [batch.tensors[n] for n in names], batch.initial_state, cu_seqlens)
+            o, ht, aux = self.kernels.recurrent_fwd(tensors, batch.scale, h0, output_final_state, cu,
+                                                    initial_aux=self._aux_in(batch), final_aux=True)
+            return o, (self._state_out(ht, aux) if output_final_state else None)
         return self.kernels.recurrent(q, k, v, scale=batch.scale, initial_state=initial_state,
                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                       **inputs)
+
+    # ---- the whole state of mixers with auxiliary states ---------------------------------------
+    def zero_state(self, N, HV, K, V, device=None):
+        """A zero state to start from (decoding with step, or any initial_state): the float32
+        [N, HV, K, V] tensor S, or, for a mixer with auxiliary states, a MixerState holding S and
+        every auxiliary state ([N, HV, K] or [N, HV, V])."""
+        import torch
+
+        from .tensors import MixerState
+        S = torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
+        if not self.ir.aux:
+            return S
+        return MixerState(S, {a.name: torch.zeros(N, HV, K if a.kind == "K" else V, dtype=torch.float32,
+                                                  device=device) for a in self.ir.aux})
+
+    def _whole_state(self, batch) -> bool:
+        return bool(self.ir.aux) and (batch.initial_aux is not None or batch.output_final_state)
+
+    @staticmethod
+    def _aux_in(batch):
+        if batch.initial_aux is None:
+            return None
+        import torch
+        return [a.to(torch.float32).contiguous() for a in batch.initial_aux]
+
+    def _state_out(self, S, aux):
+        from .tensors import MixerState
+        return MixerState(S, {a.name: t for a, t in zip(self.ir.aux, aux)})
 
     def step(self, q, k, v, state, scale=None, **inputs):
         """Decode: run the recurrent kernel over the given tokens and update `state` in place.
@@ -97,32 +133,82 @@ class Mixer:
         state is the float32 [B, HV, K, V] state (contiguous); returns o [B, T, HV, V]. Each program
         reads its tile of the state before it writes it back, so no copy is made."""
         import torch
+
+        from .tensors import MixerState
+        whole = state
+        if isinstance(state, MixerState):
+            state = state.S
+        elif self.ir.aux and isinstance(state, torch.Tensor):
+            names = ", ".join(a.name for a in self.ir.aux)
+            raise InputError(f"mixer '{self.name}' has auxiliary states ({names}) that decoding must carry: "
+                             "pass state=lrdsl.MixerState(S, {name: tensor}) (mixer.zero_state(...) to start, "
+                             "or the final state of chunk(..., output_final_state=True))")
         if not isinstance(state, torch.Tensor):
             raise InputError("step() updates a state in place: pass state=, a contiguous float32 tensor "
                              f"[B, HV, K, V] (zeros to start), not {type(state).__name__}")
-        batch = self._validate(q, k, v, inputs, scale, state, True, None)
+        batch = self._validate(q, k, v, inputs, scale, whole, True, None)
         if state.dtype != torch.float32 or not state.is_contiguous():
             raise InputError("step() updates the state in place: it must be a contiguous float32 tensor "
                              f"[B, HV, K, V], got {state.dtype}" + ("" if state.is_contiguous() else
                                                                     ", not contiguous"))
-        if torch.is_grad_enabled() and any(t.requires_grad for t in [*batch.tensors.values(), state]):
+        aux = list(batch.initial_aux or ())
+        if any(a.dtype != torch.float32 or not a.is_contiguous() for a in aux):
+            raise InputError("step() updates the auxiliary states in place: each must be a contiguous "
+                             "float32 tensor")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in [*batch.tensors.values(), state, *aux]):
             raise InputError("step() is the decode path and is forward-only; call it under torch.no_grad()")
         tensors = {n: t.contiguous() for n, t in batch.tensors.items()}
-        o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state)
+        if not aux:
+            o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state)
+            return o
+        o, _, new = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state,
+                                               initial_aux=aux, final_aux=True)
+        for a, n in zip(aux, new):  # the K-wide states are read by every value tile: written after
+            a.copy_(n)
         return o
 
     def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference."""
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
-        from . import autograd
         tensors = [batch.tensors[i.name] for i in self.ir.inputs]
+        if self._whole_state(batch):
+            return self._chunk_whole_state(batch, tensors)
+        return self._chunk_tensors(batch, tensors)
+
+    def _chunk_whole_state(self, batch, tensors):
+        """chunk for a mixer with auxiliary states when they come in or go out. The auxiliary final
+        states carry no gradient; auxiliary initial states are for inference (prefill) only."""
+        import torch
+
+        from . import autograd
+        names = [i.name for i in self.ir.inputs]
+        inputs, h0, cu = autograd.host_args(names, tensors, batch.initial_state, batch.cu_seqlens)
+        aux0 = self._aux_in(batch)
+        if aux0 is not None:
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
+                                               [*tensors, batch.initial_state, *batch.initial_aux]):
+                raise InputError("chunk() with auxiliary initial states is forward-only so far (prefill): "
+                                 "call it under torch.no_grad(), or train from zero auxiliary states "
+                                 "(initial_state=S alone)")
+            o, ht = self.kernels.chunk_fwd(inputs, batch.scale, h0, batch.output_final_state, cu, initial_aux=aux0)
+        else:
+            o, ht = self._chunk_tensors(batch, tensors)
+        if not batch.output_final_state:
+            return o, None
+        with torch.no_grad():
+            aux = self.kernels.aux_final_states(inputs, cu, aux0)
+        return o, self._state_out(ht, aux)
+
+    def _chunk_tensors(self, batch, tensors):
+        from . import autograd
         if self.keep_intermediates:
             names = tuple(i.name for i in self.ir.inputs)
-            return autograd.KeptChunkFunction.apply(self.ir, self.kernels, batch, names, initial_state,
+            return autograd.KeptChunkFunction.apply(self.ir, self.kernels, batch, names, batch.initial_state,
                                                     *tensors)
-        o, ht, _ = self.chunk_op(tensors, initial_state, batch.scale, cu_seqlens, bool(output_final_state))
-        return o, (ht if output_final_state else None)
+        o, ht, _ = self.chunk_op(tensors, batch.initial_state, batch.scale, batch.cu_seqlens,
+                                 bool(batch.output_final_state))
+        return o, (ht if batch.output_final_state else None)
 
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):

@@ -10,7 +10,7 @@ import sympy as sp
 import torch
 
 from . import ir, primitives
-from .tensors import L2NORM_EPS, Batch, compute_dtype
+from .tensors import L2NORM_EPS, Batch, MixerState, compute_dtype
 
 def to_torch(e: sp.Expr):
     """Compile a sympy expression into a function of an environment {name: tensor}."""
@@ -86,14 +86,15 @@ def scan(m: ir.Mixer, b: Batch):
     f_a = to_torch(m.delta.a) if m.delta else None
     f_c = to_torch(m.delta.c) if m.delta else None
     head = torch.arange(b.HV, device=dev, dtype=dtype).view(1, b.HV, 1)
-    outs, finals = [], []
+    outs, finals, aux_finals = [], [], []
     for n, (bi, bos, eos) in enumerate(b.sequences()):
         S = torch.zeros(1, b.HV, b.K, b.V, device=dev, dtype=dtype)
         if b.initial_state is not None:
             S = b.initial_state[n:n + 1].to(dtype)
         gram = torch.zeros(1, b.HV, b.K, b.K, device=dev, dtype=dtype) if f_lam else None
         aux = {name: torch.zeros(1, b.HV, b.K if kind == "K" else b.V, device=dev, dtype=dtype)
-               for name, _, _, kind in f_aux}
+               if b.initial_aux is None else b.initial_aux[j][n:n + 1].to(dtype)
+               for j, (name, _, _, kind) in enumerate(f_aux)}
         o_seq = []
         for t in range(bos, eos):
             env = {name: val[bi:bi + 1, t] for name, val in x.items()}
@@ -127,9 +128,12 @@ def scan(m: ir.Mixer, b: Batch):
         else:
             outs.append(torch.zeros(1, 0, b.HV, b.V, device=dev, dtype=dtype))
         finals.append(S)
+        aux_finals.append(aux)
     if b.cu_seqlens is None:
         o = torch.cat(outs, dim=0)
     else:
         o = torch.cat(outs, dim=1)
     final = torch.cat(finals, dim=0) if b.output_final_state else None
+    if final is not None and f_aux:  # the whole state
+        final = MixerState(final, {name: torch.cat([a[name] for a in aux_finals], dim=0) for name, *_ in f_aux})
     return o.to(b.tensors["v"].dtype), final

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import ir
 from .errors import InputError
@@ -18,6 +18,14 @@ if TYPE_CHECKING:
 
 L2NORM_EPS = 1e-6
 API_KEYWORDS = ("scale", "initial_state", "output_final_state", "cu_seqlens")
+
+
+class MixerState(NamedTuple):
+    """The whole recurrent state of a mixer with auxiliary states (the ATK preconditioner's P,
+    for instance): S [N, HV, K, V] and each auxiliary state by its spec name, [N, HV, K] or
+    [N, HV, V], float32. Mixers without auxiliary states take and return the plain S tensor."""
+    S: torch.Tensor
+    aux: dict
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class Batch:
     initial_state: torch.Tensor | None
     output_final_state: bool
     cu_seqlens: torch.Tensor | None
+    initial_aux: tuple | None = None  # the auxiliary states to start from, in the spec's order
 
     @property
     def N(self) -> int:
@@ -114,6 +123,9 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         if len(c) < 2 or c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
             raise InputError(f"cu_seqlens must start at 0, never decrease and end at T={T}, got {c}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    initial_aux = None
+    if isinstance(initial_state, MixerState):
+        initial_state, initial_aux = initial_state.S, _aux_of(mixer, initial_state.aux, N, HV, K, V, q.device)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (N, HV, K, V):
             got = _shape(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
@@ -128,7 +140,32 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         raise InputError(f"scale must be a number or None, got {type(scale).__name__}")
     elif not math.isfinite(scale):
         raise InputError(f"scale must be a finite number, got {scale}")
-    return Batch(given, B, T, H, HV, K, V, float(scale), initial_state, bool(output_final_state), cu_seqlens)
+    return Batch(given, B, T, H, HV, K, V, float(scale), initial_state, bool(output_final_state), cu_seqlens,
+                 initial_aux)
+
+
+def _aux_of(mixer: ir.Mixer, aux, N, HV, K, V, device) -> tuple:
+    """The auxiliary states of a MixerState, checked, in the spec's order."""
+    import torch
+    names = [a.name for a in mixer.aux]
+    if not names:
+        raise InputError(f"mixer '{mixer.name}' has no auxiliary states: pass initial_state as the "
+                         "[N, HV, K, V] tensor S, not a MixerState")
+    if not isinstance(aux, dict) or sorted(aux) != sorted(names):
+        got = sorted(aux) if isinstance(aux, dict) else type(aux).__name__
+        raise InputError(f"MixerState.aux must map each auxiliary state of '{mixer.name}' "
+                         f"({', '.join(names)}) to a tensor, got {got}")
+    out = []
+    for a in mixer.aux:
+        t, want = aux[a.name], (N, HV, K if a.kind == "K" else V)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.is_floating_point():
+            got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"auxiliary state {a.name!r} must be a floating-point tensor "
+                             f"[N, HV, {a.kind}] = [{', '.join(map(str, want))}], got {got}")
+        if t.device != device:
+            raise InputError(f"auxiliary state {a.name!r} is on {t.device} but q is on {device}")
+        out.append(t)
+    return tuple(out)
 
 
 def compute_dtype(b: Batch) -> torch.dtype:

@@ -57,6 +57,8 @@ def gradients(fn, x, h0, opts, do, dS, dtype):
                                                  dtype).requires_grad_()
     dev = next(iter(leaves.values())).device
     o, S = fn(**leaves, **opts)
+    if isinstance(S, lrdsl.MixerState):  # the whole state: its auxiliary parts carry no gradient
+        S = S.S
     loss = (o * do.to(dev, dtype)).sum()
     if dS is not None:
         assert S is not None, "output_final_state=True but no final state came back"

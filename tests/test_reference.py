@@ -220,6 +220,11 @@ def direct(name, q, k, v, inputs, scale=None, h0=None, P0=None):
     return o, S_out, P_out
 
 
+def parts(state):
+    """A final state as a tuple: S, then the auxiliary states of a whole state."""
+    return (state.S, *state.aux.values()) if isinstance(state, lrdsl.MixerState) else (state,)
+
+
 # ---- 1. the reference against the direct loop ------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_reference_matches_direct_loop(mixers, name):
@@ -227,7 +232,12 @@ def test_reference_matches_direct_loop(mixers, name):
     q, k, v, inputs = make_inputs(name, seed=1)
     h0 = torch.randn(2, 4, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     o, S = m.reference(q, k, v, initial_state=h0, output_final_state=True, **inputs)
-    o_ref, S_ref, _ = direct(name, q, k, v, inputs, h0=h0)
+    o_ref, S_ref, P_ref = direct(name, q, k, v, inputs, h0=h0)
+    if m.ir.aux:  # the whole state: S and the ATK state P
+        assert isinstance(S, lrdsl.MixerState) and len(S.aux) == 1
+        P = next(iter(S.aux.values()))
+        assert P.shape == P_ref.shape and rel(P, P_ref) < 1e-10, rel(P, P_ref)
+        S = S.S
     assert o.shape == (2, 7, 4, 3) and o.dtype == torch.float64
     assert S.shape == (2, 4, 5, 3) and S.dtype == torch.float64
     assert rel(o, o_ref) < 1e-10, rel(o, o_ref)
@@ -362,6 +372,7 @@ def test_reference_matches_fla_naive(mixers, name):
     if name == "retnet":
         h0 = None  # naive_retention starts from zero
     o, S = mixers(name).reference(q, k, v, initial_state=h0, output_final_state=True, **inputs)
+    S = S.S if isinstance(S, lrdsl.MixerState) else S  # FLA's naive ops return S alone
     o_fla, S_fla = fn(q, k, v, inputs, h0 if h0 is not None else torch.zeros(2, HV, 6, 5))
     assert o_fla.shape == o.shape
     assert rel(o, o_fla) < 1e-5, rel(o, o_fla)
@@ -379,6 +390,9 @@ def test_varlen_equals_per_sequence_runs(mixers, name):
     h0 = torch.randn(N, 4, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     o, S = m.reference(q, k, v, initial_state=h0, output_final_state=True,
                        cu_seqlens=torch.tensor(cu, dtype=torch.long), **inputs)
+    P = None
+    if isinstance(S, lrdsl.MixerState):  # the whole state: the ATK state P beside S
+        (P,), S = S.aux.values(), S.S
     assert o.shape == (1, 9, 4, 2) and S.shape == (N, 4, 3, 2)
     for n in range(N):
         bos, eos = cu[n], cu[n + 1]
@@ -388,10 +402,15 @@ def test_varlen_equals_per_sequence_runs(mixers, name):
         sl = {nm: x[:, bos:eos] for nm, x in inputs.items()}
         o_n, S_n = m.reference(q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], initial_state=h0[n:n + 1],
                                output_final_state=True, **sl)
+        P_n = None
+        if isinstance(S_n, lrdsl.MixerState):
+            (P_n,), S_n = S_n.aux.values(), S_n.S
         assert rel(o[:, bos:eos], o_n) < 1e-12
         assert rel(S[n:n + 1], S_n) < 1e-12
-        o_d, S_d, _ = direct(name, q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], sl, h0=h0[n:n + 1])
+        o_d, S_d, P_d = direct(name, q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], sl, h0=h0[n:n + 1])
         assert rel(o_n, o_d) < 1e-10 and rel(S_n, S_d) < 1e-10
+        if P is not None:
+            assert rel(P[n:n + 1], P_n) < 1e-12 and rel(P_n, P_d) < 1e-10
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -403,7 +422,7 @@ def test_grouped_values_equal_repeated_heads(mixers, name):
            for nm, x in inputs.items()}
     o2, S2 = m.reference(q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2), v,
                          output_final_state=True, **rep)
-    assert rel(o, o2) < 1e-13 and rel(S, S2) < 1e-13
+    assert rel(o, o2) < 1e-13 and all(rel(a, b) < 1e-13 for a, b in zip(parts(S), parts(S2)))
     # and value heads 2i and 2i+1 do read the same key head: swapping the key heads changes the output
     o3, _ = m.reference(q.flip(2), k.flip(2), v, **{nm: (x.flip(2) if MODELS[name][1][nm][0] == "H" else x)
                                                    for nm, x in inputs.items()})
@@ -427,24 +446,26 @@ def test_state_hand_over(mixers, name):
 
 @pytest.mark.parametrize("name", AUX)
 def test_state_hand_over_with_aux_state(mixers, name):
-    """initial_state carries S only; the ATK state P restarts at zero. What holds: the second run is
-    exactly the model started from (S1, P = 0), and it differs from the unsplit run (P is lost)."""
+    """The whole state (S and the ATK state P) handed over reproduces the unsplit run; S alone
+    restarts P at zero: then the second run is the direct loop from (S1, P = 0), which differs."""
     m = mixers(name)
     q, k, v, inputs = make_inputs(name, B=2, T=9, H=1, HV=2, K=4, V=3, seed=12)
-    o, S = m.reference(q, k, v, output_final_state=True, **inputs)
+    o, whole = m.reference(q, k, v, output_final_state=True, **inputs)
     T1 = 4
     first = {nm: x[:, :T1] for nm, x in inputs.items()}
     second = {nm: x[:, T1:] for nm, x in inputs.items()}
-    o1, S1 = m.reference(q[:, :T1], k[:, :T1], v[:, :T1], output_final_state=True, **first)
+    o1, st1 = m.reference(q[:, :T1], k[:, :T1], v[:, :T1], output_final_state=True, **first)
     assert rel(o1, o[:, :T1]) < 1e-12
-    o2, S2 = m.reference(q[:, T1:], k[:, T1:], v[:, T1:], initial_state=S1, output_final_state=True, **second)
-    o2_d, S2_d, _ = direct(name, q[:, T1:], k[:, T1:], v[:, T1:], second, h0=S1)
-    assert rel(o2, o2_d) < 1e-10 and rel(S2, S2_d) < 1e-10
-    # with P handed over as well the direct loop reproduces the unsplit run
-    _, _, P1 = direct(name, q[:, :T1], k[:, :T1], v[:, :T1], first)
-    o2_p, S2_p, _ = direct(name, q[:, T1:], k[:, T1:], v[:, T1:], second, h0=S1, P0=P1)
-    assert rel(o2_p, o[:, T1:]) < 1e-10 and rel(S2_p, S) < 1e-10
-    assert rel(o2, o[:, T1:]) > 1e-6  # ... which the S-only hand-over cannot do
+    _, S1_d, P1_d = direct(name, q[:, :T1], k[:, :T1], v[:, :T1], first)
+    assert rel(st1.S, S1_d) < 1e-10 and rel(next(iter(st1.aux.values())), P1_d) < 1e-10
+    o2, st2 = m.reference(q[:, T1:], k[:, T1:], v[:, T1:], initial_state=st1, output_final_state=True, **second)
+    assert rel(o2, o[:, T1:]) < 1e-10
+    assert all(rel(a, b) < 1e-10 for a, b in zip(parts(st2), parts(whole)))
+    o2_s, st2_s = m.reference(q[:, T1:], k[:, T1:], v[:, T1:], initial_state=st1.S, output_final_state=True,
+                              **second)
+    o2_d, S2_d, _ = direct(name, q[:, T1:], k[:, T1:], v[:, T1:], second, h0=st1.S)
+    assert rel(o2_s, o2_d) < 1e-10 and rel(st2_s.S, S2_d) < 1e-10
+    assert rel(o2_s, o[:, T1:]) > 1e-6  # P lost
 
 
 # ---- 4. gradients -------------------------------------------------------------------------------------
@@ -457,13 +478,18 @@ def test_gradcheck(mixers, name):
     names = list(inputs)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, h0, *inputs.values())]
 
+    if m.ir.aux:  # the whole state in and out: gradients reach the ATK state's start too
+        leaves.append(torch.rand(1, 1, K, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
+                      .requires_grad_(True))
+
     def f(q, k, v, h0, *xs):
-        o, S = m.reference(q, k, v, initial_state=h0, output_final_state=True, **dict(zip(names, xs)))
-        return o, S
+        state = lrdsl.MixerState(h0, {m.ir.aux[0].name: xs[-1]}) if m.ir.aux else h0
+        xs = xs[:-1] if m.ir.aux else xs
+        o, S = m.reference(q, k, v, initial_state=state, output_final_state=True, **dict(zip(names, xs)))
+        return (o, *parts(S))
 
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-6, rtol=1e-5)
-    o, S = f(*leaves)
-    (o.sum() + S.sum()).backward()
+    sum(t.sum() for t in f(*leaves)).backward()
     for t in leaves:  # every input reaches the output
         assert t.grad is not None and t.grad.abs().sum() > 0
 
