@@ -172,43 +172,50 @@ class Mixer:
         """The chunk-parallel kernels; same signature and results as reference."""
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
         tensors = [batch.tensors[i.name] for i in self.ir.inputs]
-        if self._whole_state(batch):
-            return self._chunk_whole_state(batch, tensors)
+        if batch.initial_aux is not None:
+            return self._chunk_from_whole_state(batch, tensors)
         return self._chunk_tensors(batch, tensors)
 
-    def _chunk_whole_state(self, batch, tensors):
-        """chunk for a mixer with auxiliary states when they come in or go out. The auxiliary final
-        states carry no gradient; auxiliary initial states are for inference (prefill) only."""
+    def _chunk_from_whole_state(self, batch, tensors):
+        """chunk from auxiliary initial states: for inference (prefill) only, so far."""
         import torch
 
         from . import autograd
         names = [i.name for i in self.ir.inputs]
         inputs, h0, cu = autograd.host_args(names, tensors, batch.initial_state, batch.cu_seqlens)
         aux0 = self._aux_in(batch)
-        if aux0 is not None:
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
-                                               [*tensors, batch.initial_state, *batch.initial_aux]):
-                raise InputError("chunk() with auxiliary initial states is forward-only so far (prefill): "
-                                 "call it under torch.no_grad(), or train from zero auxiliary states "
-                                 "(initial_state=S alone)")
-            o, ht = self.kernels.chunk_fwd(inputs, batch.scale, h0, batch.output_final_state, cu, initial_aux=aux0)
-        else:
-            o, ht = self._chunk_tensors(batch, tensors)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
+                                           [*tensors, batch.initial_state, *batch.initial_aux]):
+            raise InputError("chunk() with auxiliary initial states is forward-only so far (prefill): "
+                             "call it under torch.no_grad(), or train from zero auxiliary states "
+                             "(initial_state=S alone)")
+        o, ht = self.kernels.chunk_fwd(inputs, batch.scale, h0, batch.output_final_state, cu, initial_aux=aux0)
         if not batch.output_final_state:
             return o, None
-        with torch.no_grad():
-            aux = self.kernels.aux_final_states(inputs, cu, aux0)
-        return o, self._state_out(ht, aux)
+        return o, self._state_out(ht, self.kernels.aux_final_states(inputs, cu, aux0))
 
     def _chunk_tensors(self, batch, tensors):
+        """The differentiable chunk (one custom op, or the kept-intermediates path)."""
+        import torch
+
         from . import autograd
         if self.keep_intermediates:
             names = tuple(i.name for i in self.ir.inputs)
-            return autograd.KeptChunkFunction.apply(self.ir, self.kernels, batch, names, batch.initial_state,
-                                                    *tensors)
-        o, ht, _ = self.chunk_op(tensors, batch.initial_state, batch.scale, batch.cu_seqlens,
-                                 bool(batch.output_final_state))
-        return o, (ht if batch.output_final_state else None)
+            o, ht = autograd.KeptChunkFunction.apply(self.ir, self.kernels, batch, names, batch.initial_state,
+                                                     *tensors)
+            if ht is None or not self.ir.aux:
+                return o, ht
+            inputs, _, cu = autograd.host_args(list(names), tensors, None, batch.cu_seqlens)
+            with torch.no_grad():
+                return o, self._state_out(ht, self.kernels.aux_final_states(inputs, cu))
+        o, ht, _, aux = self.chunk_op(tensors, batch.initial_state, batch.scale, batch.cu_seqlens,
+                                      bool(batch.output_final_state))
+        if not batch.output_final_state:
+            return o, None
+        if not self.ir.aux:
+            return o, ht
+        widths = [batch.K if a.kind == "K" else batch.V for a in self.ir.aux]
+        return o, self._state_out(ht, torch.split(aux, widths, dim=-1))
 
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):

@@ -156,12 +156,15 @@ def chunk_op(mixer_ir, module, key: str):
     @torch.library.custom_op(lib + "_fwd", mutates_args=())
     def fwd(tensors: list[torch.Tensor], h0: torch.Tensor | None, scale: float,
             cu_seqlens: torch.Tensor | None, output_final_state: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # the third output is what the backward reuses (the staged forward's WY inverse), or empty
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the third output is what the backward reuses (the staged forward's WY inverse), or empty;
+        # the fourth the auxiliary final states side by side [N, HV, K|V + ...] (no gradient), or empty
         inputs, h0c, cu = host_args(names, tensors, h0, cu_seqlens)
         o, ht, res = module.chunk_fwd(inputs, scale, h0c, output_final_state, cu, residual=True)
+        aux = module.aux_final_states(inputs, cu) if output_final_state and module.AUX_KINDS else []
         return (o, ht if ht is not None else o.new_empty(0, dtype=torch.float32),
-                res if res is not None else o.new_empty(0))
+                res if res is not None else o.new_empty(0),
+                torch.cat(aux, -1) if aux else o.new_empty(0, dtype=torch.float32))
 
     @fwd.register_fake
     def _(tensors, h0, scale, cu_seqlens, output_final_state):
@@ -173,7 +176,9 @@ def chunk_op(mixer_ir, module, key: str):
         if module.keeps_residual(K):
             res = v.new_empty(B, T, HV, module.STAGED_CHUNK,
                               dtype=torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32)
-        return o, ht, res
+        width = sum(K if kind == "K" else V for kind in module.AUX_KINDS)
+        aux = v.new_empty((N, HV, width) if output_final_state and width else (0,), dtype=torch.float32)
+        return o, ht, res, aux
 
     @torch.library.custom_op(lib + "_bwd", mutates_args=())
     def bwd(tensors: list[torch.Tensor], h0: torch.Tensor | None, scale: float,
@@ -195,7 +200,7 @@ def chunk_op(mixer_ir, module, key: str):
         ctx.save_for_backward(*tensors, output[2], *([h0] if h0 is not None else []))
         ctx.meta = (len(tensors), h0 is not None, scale, cu_seqlens, output_final_state)
 
-    def backward(ctx, do, dht, _dres):
+    def backward(ctx, do, dht, _dres, _daux):
         n, has_h0, scale, cu_seqlens, output_final_state = ctx.meta
         saved = ctx.saved_tensors
         tensors, residual, h0 = list(saved[:n]), saved[n], (saved[n + 1] if has_h0 else None)
