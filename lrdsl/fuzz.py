@@ -137,7 +137,13 @@ def draw_inputs(mixer, case: Case, device="cpu") -> tuple:
 
 
 def rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
-    """rms(a - b) / rms(b) in float64 (0 when both are exactly zero; nan when a has nan)."""
+    """rms(a - b) / rms(b) in float64 (0 when both are exactly zero; nan when a has nan). Of two
+    whole states (MixerState): the worst over S and each auxiliary state."""
+    if isinstance(b, MixerState):
+        pa, pb = _parts(a), _parts(b)
+        if sorted(pa) != sorted(pb):
+            return math.inf
+        return max(rms_ratio(pa[n], pb[n]) for n in pb)
     a = a.detach().to("cpu", torch.float64)
     b = b.detach().to("cpu", torch.float64)
     num = (a - b).pow(2).mean().sqrt().item() if a.numel() else 0.0
