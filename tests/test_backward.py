@@ -200,6 +200,7 @@ def grad_cases(draw):
     return Case(B, T, H, HV, K, V, cu, init, scale, seed), draw(st.booleans())
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, database=None, derandomize=True,
           phases=(Phase.explicit, Phase.generate),  # no shrinking: each run costs seconds; the
           suppress_health_check=[HealthCheck.too_slow])  # message below reproduces the case as drawn

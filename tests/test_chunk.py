@@ -108,6 +108,7 @@ def test_decode_step_refuses_a_non_fp32_state(compiled):
         mixer.step(**x, state=torch.zeros(1, 1, 16, 16, dtype=torch.float64))
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(text=axis_specs(), case=small_cases())

@@ -146,6 +146,7 @@ def test_a_let_chain_too_deep_to_analyse_is_refused_where_it_gets_too_deep(step)
     assert 10 < line < 100  # the let where the depth passed the cap, not the end of the file
 
 
+@pytest.mark.slow
 def test_a_long_chain_that_folds_compiles():
     m = lrdsl.compile(text=_chain(2000, "{p}*0.5 + 0.25"), load_kernels=False)
     assert m.check()["stable"]

@@ -119,6 +119,7 @@ def small_cases():
         cut=st.integers(0, 40), init=st.booleans(), seed=st.integers(0, 2**16))
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(text=axis_specs(), case=small_cases())

@@ -32,6 +32,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -96,6 +97,7 @@ class RecallModel(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.slow
 def test_two_layer_model_learns_associative_recall_through_chunk():
     mixer = lrdsl.compile(ROOT / "examples" / "gated_deltanet.lr", keep_intermediates=True)
     torch.manual_seed(0)
