@@ -67,6 +67,19 @@ def gradients(fn, x, h0, opts, do, dS, dtype):
     return o, S, dict(zip(leaves, grads))
 
 
+def count_launches(monkeypatch, module, kernel: str) -> list:
+    """The grids of every launch of a generated module's tuned kernel from now on (for the test)."""
+    launches, original = [], getattr(module, kernel)
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return original[grid]
+
+    monkeypatch.setattr(module, kernel, Counting())
+    return launches
+
+
 def tolerance(name):
     return TOL_QKV if name in ("q", "k", "v", "initial_state") else TOL_GATE
 
@@ -383,26 +396,15 @@ def test_generated_chain_rule_through_lets_gates_heads_and_clamps(compiled):
     assert len(calls) == len(CASES)
 
 
-def test_backward_reuses_the_forwards_solve(compiled):
+def test_backward_reuses_the_forwards_solve(compiled, monkeypatch):
     """The staged forward hands its WY inverse X to the backward, which then recomputes the chunk
     states without solving again: one solve launch per training step, and the same gradients
     as the float64 reference."""
     mixer = compiled(next(p for p in EXAMPLES if Path(p).stem == "gated_deltanet"))
     mod = mixer.kernels
     assert mod.keeps_residual(16) and not mod.keeps_residual(mod.STAGED_MAX_K + 1)
-    launches = []
-    original = mod.staged_solve
-
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return original[grid]
-
-    mod.staged_solve = Counting()
-    try:
-        errors, failures = compare(mixer, CASES[next(iter(CASES))], output_final_state=True, seed=3)
-    finally:
-        mod.staged_solve = original
+    launches = count_launches(monkeypatch, mod, "staged_solve")
+    errors, failures = compare(mixer, CASES[next(iter(CASES))], output_final_state=True, seed=3)
     assert not failures, describe(failures)
     assert len(launches) == 1, f"the solve ran {len(launches)} times in one forward + backward"
 
@@ -422,14 +424,7 @@ def test_staged_backward_for_per_channel_decays(name, strong, monkeypatch):
     original_plan = plan_module.plan
     monkeypatch.setattr(plan_module, "plan", lambda m: dataclasses.replace(original_plan(m), staged_backward=True))
     mixer = lrdsl.compile(next(p for p in EXAMPLES if p.stem == name))
-    mod = mixer.kernels
-    launches = []
-    original = mod.staged_dk
-
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return original[grid]
+    launches = count_launches(monkeypatch, mixer.kernels, "staged_dk")
 
     def edit(x):
         if strong:
@@ -437,10 +432,6 @@ def test_staged_backward_for_per_channel_decays(name, strong, monkeypatch):
             x["g"][0, 70:74, 1, 5] = -30.0  # rows 70..73: one block (69..84) of the second sequence
 
     case = Case(B=1, T=100, H=2, HV=2, K=32, V=24, cu_seqlens=(0, 37, 100), initial_state=True, seed=31)
-    mod.staged_dk = Counting()
-    try:
-        errors, failures = compare(mixer, case, output_final_state=True, seed=5, edit=edit)
-    finally:
-        mod.staged_dk = original
+    errors, failures = compare(mixer, case, output_final_state=True, seed=5, edit=edit)
     assert launches, "the staged backward did not run"
     assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
