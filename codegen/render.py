@@ -23,8 +23,17 @@ def _env() -> jinja2.Environment:
 
 
 def render(plan: Plan, version: str) -> str:
+    return _render("module.py.jinja", plan=plan, version=version)
+
+
+def render_solve(solve, version: str) -> str:
+    """The module of an offline-solve mixer (codegen/solve.py's SolvePlan)."""
+    return _render("mesa_module.py.jinja", solve=solve, version=version)
+
+
+def _render(template: str, **context) -> str:
     try:
-        text = _env().get_template("module.py.jinja").render(plan=plan, version=version)
+        text = _env().get_template(template).render(**context)
     except jinja2.TemplateSyntaxError as e:  # a bug in a template, not in the user's spec
         raise RuntimeError(f"template {e.name}:{e.lineno}: {e.message}") from None
     text = re.sub(r"[ \t]+\n", "\n", text)

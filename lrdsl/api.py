@@ -88,6 +88,9 @@ class Mixer:
             raise InputError("mixer.recurrent is forward-only (the decode path): call it under "
                              "torch.no_grad() or on tensors without requires_grad, and train "
                              "through mixer.chunk, which has the chunked backward")
+        if self.ir.solve_lam is not None:
+            from . import offline
+            return offline.recurrent(self, batch)
         if self._whole_state(batch):
             from .autograd import host_args
             names = [i.name for i in self.ir.inputs]
@@ -107,6 +110,9 @@ class Mixer:
         import torch
 
         from .tensors import MixerState
+        if self.ir.solve_lam is not None:
+            from . import offline
+            return offline.zero_state(self.ir, N, HV, K, V, device)
         S = torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
         if not self.ir.aux:
             return S
@@ -135,6 +141,9 @@ class Mixer:
         import torch
 
         from .tensors import MixerState
+        if self.ir.solve_lam is not None:
+            from . import offline
+            return offline.step(self, q, k, v, state, scale, inputs)
         whole = state
         if isinstance(state, MixerState):
             state = state.S
@@ -266,4 +275,6 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
         import importlib.util
         if importlib.util.find_spec("triton") is not None and m.solve_lam is None:
             mixer.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
+        elif importlib.util.find_spec("triton") is not None and m.decay.kind != "diagonal":
+            mixer.kernels  # noqa: B018 (the offline solve's module: generated, cached, loaded)
     return mixer

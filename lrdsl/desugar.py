@@ -171,3 +171,27 @@ def _const(node, what: str) -> Fraction:
 
 def _axis_word(s) -> str:
     return type(s).__name__[4:].lower()
+
+
+MAX_CG_STEPS = 1000
+
+
+def solve_steps(spec: Spec) -> tuple:
+    """(spec, steps, span): the conjugate-gradient step count of the offline solve, from
+    `solve offline lamb steps N` (axis form) or the line `solve offline steps N` beside explicit
+    statements (then taken out of the spec, which stays explicit); steps is None when not given."""
+    lines = [s for s in spec.statements if isinstance(s, AxisSolve) and s.steps is not None]
+    if not lines:
+        return spec, None, None
+    line = lines[0]
+    text, span = line.steps
+    if not text.isdigit() or not 1 <= int(text) <= MAX_CG_STEPS:
+        raise SpecError(f"the number of conjugate-gradient steps must be a whole number from 1 to "
+                        f"{MAX_CG_STEPS}, e.g. `steps 30`", span)
+    if line.kind != "offline":
+        raise SpecError("`steps` counts the conjugate-gradient steps of the offline solve: write "
+                        "`solve offline lamb steps 30`", span)
+    option_only = line.lam is None and not any(isinstance(s, AXES) and s is not line for s in spec.statements)
+    if option_only and any(isinstance(s, EXPLICIT) for s in spec.statements):
+        spec = Spec(spec.name, tuple(s for s in spec.statements if s is not line), spec.span)
+    return spec, int(text), span

@@ -1,6 +1,9 @@
 """Text -> IR: the front end as one pure function."""
 from __future__ import annotations
 
+import dataclasses
+
+from .desugar import solve_steps
 from .errors import SpecError
 from .ir import Mixer
 from .lower import lower
@@ -15,6 +18,13 @@ def spec_to_ir(text, filename: str = "<spec>") -> Mixer:
             pass  # parse() reports where the bad byte is
     source = text if isinstance(text, str) else ""
     try:
-        return lower(parse(text, filename))
+        spec, steps, span = solve_steps(parse(text, filename))
+        m = lower(spec)
+        if steps is None:
+            return m
+        if m.solve_lam is None:
+            raise SpecError("`steps` counts the conjugate-gradient steps of the offline solve, which this "
+                            "spec does not read through (o = S^T (G + diag(lamb))^-1 q)", span)
+        return dataclasses.replace(m, solve_steps=steps)
     except SpecError as e:
         raise e.located(source, filename) from None

@@ -102,6 +102,7 @@ class Mixer:
     allow_unstable: bool = False
     # offline solve (Mesa): o = S^T (G + diag(solve_lam))^-1 (scale * query), G_t = D G_{t-1} + key k^T
     solve_lam: sp.Expr | None = None
+    solve_steps: int = 30  # conjugate-gradient steps of the kernels' solve (the reference is exact)
     update_span: Span | None = field(default=None, compare=False, hash=False)
     readout_span: Span | None = field(default=None, compare=False, hash=False)
 

@@ -101,6 +101,8 @@ def explicit(m: ir.Mixer) -> str:
     lines.append(f"S = {carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T")
     solve = f"(G + diag({expr(m.solve_lam)}))^-1 " if m.solve_lam is not None else ""
     lines.append(f"o = S^T {solve}{_vec(m.query)}")
+    if m.solve_lam is not None and m.solve_steps != ir.Mixer.solve_steps:
+        lines.append(f"solve offline steps {m.solve_steps}")
     if m.allow_unstable:
         lines.append("allow unstable")
     return "\n".join(lines) + "\n"
@@ -120,7 +122,8 @@ def canonical(m: ir.Mixer) -> str:
         out.append(f"readout           o = S^T (scale * {expr(m.query)})")
     else:
         out.append(f"readout           o = S^T (G + diag({expr(m.solve_lam)}))^-1 (scale * {expr(m.query)})")
-        out.append(f"gram    offline   G = D G + {_vec(m.write.key)} k^T (exact solve, Mesa)")
+        out.append(f"gram    offline   G = D G + {_vec(m.write.key)} k^T (exact solve, Mesa; "
+                   f"{m.solve_steps} conjugate-gradient steps in the kernels)")
     for a in m.aux:
         out.append(f"aux     {a.name}[{a.kind}]  = {expr(a.decay)} * {a.name} + {expr(a.write)}")
     for lt in m.lets:

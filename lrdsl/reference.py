@@ -92,6 +92,8 @@ def scan(m: ir.Mixer, b: Batch):
         if b.initial_state is not None:
             S = b.initial_state[n:n + 1].to(dtype)
         gram = torch.zeros(1, b.HV, b.K, b.K, device=dev, dtype=dtype) if f_lam else None
+        if f_lam and b.initial_gram is not None:
+            gram = b.initial_gram[n:n + 1].to(dtype)
         aux = {name: torch.zeros(1, b.HV, b.K if kind == "K" else b.V, device=dev, dtype=dtype)
                if b.initial_aux is None else b.initial_aux[j][n:n + 1].to(dtype)
                for j, (name, _, _, kind) in enumerate(f_aux)}
@@ -128,12 +130,15 @@ def scan(m: ir.Mixer, b: Batch):
         else:
             outs.append(torch.zeros(1, 0, b.HV, b.V, device=dev, dtype=dtype))
         finals.append(S)
+        if gram is not None:  # the offline solve's Gram state is part of the whole state
+            aux["G"] = gram
         aux_finals.append(aux)
     if b.cu_seqlens is None:
         o = torch.cat(outs, dim=0)
     else:
         o = torch.cat(outs, dim=1)
     final = torch.cat(finals, dim=0) if b.output_final_state else None
-    if final is not None and f_aux:  # the whole state
-        final = MixerState(final, {name: torch.cat([a[name] for a in aux_finals], dim=0) for name, *_ in f_aux})
+    if final is not None and (f_aux or f_lam):  # the whole state
+        names = [name for name, *_ in f_aux] + (["G"] if f_lam else [])
+        final = MixerState(final, {name: torch.cat([a[name] for a in aux_finals], dim=0) for name in names})
     return o.to(b.tensors["v"].dtype), final

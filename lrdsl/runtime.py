@@ -26,10 +26,11 @@ def cache_dir() -> Path:
 
 def generate(m: ir.Mixer) -> str:
     """The standalone module for a mixer (same IR -> same bytes)."""
-    if m.solve_lam is not None:
-        raise LrdslError(f"mixer '{m.name}' reads its state through an offline solve (Mesa); lrdsl has "
-                         "its exact reference scan (mixer.reference) but generates no kernels for it yet")
     from . import __version__
+    if m.solve_lam is not None:  # the offline solve (Mesa) has kernels of its own
+        from .codegen.render import render_solve
+        from .codegen.solve import solve_plan
+        return render_solve(solve_plan(m), __version__)
     from .codegen.plan import plan
     from .codegen.render import render
     return render(plan(m), __version__)

@@ -146,6 +146,7 @@ class AxisSolve:
     kind: str
     lam: tuple | None  # (name, span) of the regulariser with `solve offline lamb`
     span: Span
+    steps: tuple | None = None  # (text, span) of the conjugate-gradient steps with `... steps 30`
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,8 @@ class _ToAst(Transformer):
 
     def solve(self, meta, c):
         lam = (str(c[1]), _span(c[1])) if c[1] is not None else None
-        return AxisSolve(str(c[0]), lam, _span(meta))
+        steps = (str(c[2]), _span(c[2])) if c[2] is not None else None
+        return AxisSolve(str(c[0]), lam, _span(meta), steps)
 
     def normalize(self, meta, c):
         return AxisNormalize(tuple((str(t), _span(t)) for t in c), _span(meta))

@@ -22,8 +22,9 @@ API_KEYWORDS = ("scale", "initial_state", "output_final_state", "cu_seqlens")
 
 class MixerState(NamedTuple):
     """The whole recurrent state of a mixer with auxiliary states (the ATK preconditioner's P,
-    for instance): S [N, HV, K, V] and each auxiliary state by its spec name, [N, HV, K] or
-    [N, HV, V], float32. Mixers without auxiliary states take and return the plain S tensor."""
+    for instance) or an offline solve: S [N, HV, K, V] and each auxiliary state by its spec name,
+    [N, HV, K] or [N, HV, V], and the offline solve's Gram state as "G", [N, HV, K, K]; float32.
+    Other mixers take and return the plain S tensor."""
     S: torch.Tensor
     aux: dict
 
@@ -43,6 +44,7 @@ class Batch:
     output_final_state: bool
     cu_seqlens: torch.Tensor | None
     initial_aux: tuple | None = None  # the auxiliary states to start from, in the spec's order
+    initial_gram: torch.Tensor | None = None  # the offline solve's Gram state G [N, HV, K, K]
 
     @property
     def N(self) -> int:
@@ -123,9 +125,12 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         if len(c) < 2 or c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
             raise InputError(f"cu_seqlens must start at 0, never decrease and end at T={T}, got {c}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    initial_aux = None
+    initial_aux = initial_gram = None
     if isinstance(initial_state, MixerState):
-        initial_state, initial_aux = initial_state.S, _aux_of(mixer, initial_state.aux, N, HV, K, V, q.device)
+        aux = initial_state.aux
+        if mixer.solve_lam is not None:
+            aux, initial_gram = _gram_of(mixer, aux, N, HV, K, q.device)
+        initial_state, initial_aux = initial_state.S, _aux_of(mixer, aux, N, HV, K, V, q.device)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (N, HV, K, V):
             got = _shape(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
@@ -141,13 +146,32 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
     elif not math.isfinite(scale):
         raise InputError(f"scale must be a finite number, got {scale}")
     return Batch(given, B, T, H, HV, K, V, float(scale), initial_state, bool(output_final_state), cu_seqlens,
-                 initial_aux)
+                 initial_aux, initial_gram)
+
+
+def _gram_of(mixer: ir.Mixer, aux, N, HV, K, device) -> tuple:
+    """(the other parts, the Gram state) of an offline-solve mixer's MixerState.aux, checked."""
+    import torch
+    if not isinstance(aux, dict) or "G" not in aux:
+        raise InputError(f"mixer '{mixer.name}' reads its state through an offline solve: MixerState.aux "
+                         "must hold its Gram state as \"G\", a tensor [N, HV, K, K] (mixer.zero_state(...) "
+                         "to start)")
+    g = aux["G"]
+    if not isinstance(g, torch.Tensor) or tuple(g.shape) != (N, HV, K, K) or not g.is_floating_point():
+        got = _shape(g) if isinstance(g, torch.Tensor) else type(g).__name__
+        raise InputError(f"the Gram state 'G' must be a floating-point tensor [N, HV, K, K] = "
+                         f"[{N}, {HV}, {K}, {K}], got {got}")
+    if g.device != device:
+        raise InputError(f"the Gram state 'G' is on {g.device} but q is on {device}")
+    return {n: t for n, t in aux.items() if n != "G"}, g
 
 
 def _aux_of(mixer: ir.Mixer, aux, N, HV, K, V, device) -> tuple:
     """The auxiliary states of a MixerState, checked, in the spec's order."""
     import torch
     names = [a.name for a in mixer.aux]
+    if not names and mixer.solve_lam is not None and isinstance(aux, dict) and not aux:
+        return None  # an offline solve's MixerState with its Gram state only
     if not names:
         raise InputError(f"mixer '{mixer.name}' has no auxiliary states: pass initial_state as the "
                          "[N, HV, K, V] tensor S, not a MixerState")

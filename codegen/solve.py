@@ -1,0 +1,46 @@
+"""IR -> plan of the offline solve's kernels (the Mesa readout), on top of the general plan.
+
+The offline solve reads o_t = S_t^T x_t with (G_t + diag(lam_t)) x_t = r_t, where the Gram state
+G_t = d_t G_{t-1} + u_t k_t^T shares S's decay d_t and write key u_t. The kernels take x_t by a
+fixed number of conjugate-gradient steps from the Jacobi start r_t / (diag G_t + lam_t) (the
+reference solves exactly). Everything the templates need beyond the general plan is here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lrdsl import ir
+from lrdsl.errors import LrdslError
+
+from .plan import Plan, plan
+from .texpr import code, var
+
+
+@dataclass(frozen=True)
+class SolvePlan:
+    base: Plan  # loads, per-token expressions, decay and tiles of the general plan
+    lam: str  # Triton text of the regulariser lam_t (one per key channel, or a broadcast scalar)
+    gram_key: str  # block variable of k, the Gram state's other side (G = D G + u k^T)
+    steps: int  # conjugate-gradient steps, the spec's `steps` (Mesa's 30 by default)
+    chunk: int = 64  # BT of the chunked kernels (tokens solved together in one program)
+    chunk_wide_k: int = 32  # BT when K > 64: the CG keeps four [BT, K] fp32 blocks and G's [K, K]
+    bw: int = 64  # value tile of the state passes and the readout
+    recurrent_bv: int = 64  # value tile of the decode kernel (each tile repeats the K x K solve)
+    recurrent_warps: int = 4
+    chunk_warps: int = 4
+
+    @property
+    def decays(self) -> bool:
+        return self.base.decay_kind != "identity"
+
+
+def solve_plan(m: ir.Mixer) -> SolvePlan:
+    if m.solve_lam is None:
+        raise ValueError("solve_plan takes a mixer with an offline solve")
+    if m.decay.kind == "diagonal":
+        # D G with a per-channel D is not symmetric: conjugate gradients need a symmetric matrix
+        raise LrdslError(f"mixer '{m.name}': the offline solve's kernels take a decay with one number per "
+                         "head (scalar or constant); with a decay per key channel the Gram state D G + u k^T "
+                         "is not symmetric, so conjugate gradients do not apply (the reference still "
+                         "solves it exactly)")
+    return SolvePlan(base=plan(m), lam=code(m.solve_lam), gram_key=var("k"), steps=m.solve_steps)
