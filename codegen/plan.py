@@ -26,6 +26,7 @@ class Load:
     l2norm: bool
     lo: str = ""  # declared range as Triton literals ("" where unbounded): values outside are
     hi: str = ""  # clamped into it, on every path (the reference too)
+    per_head: bool = False  # a param: [HV] or [HV, K], loaded once per head, the same at every token
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,7 @@ class Plan:
     # the staged forward (chunk_staged.py.jinja): WY stage, state pass, output stage
     staged: bool = False  # this spec has the staged forward (see staged_reason)
     staged_reason: str = ""  # why not, for the generated module's header
-    # the backward takes the staged kernels too. With a decay per key channel they pass the CPU
-    # suite (Triton's interpreter) but have not run on the GPU yet: off there until they have
-    staged_backward: bool = False
+    staged_backward: bool = False  # the backward takes the staged kernels too
     staged_max_k: int = 128  # wider keys take the general kernels
     staged_chunk: int = 64  # BT of the staged forward
     staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
@@ -115,6 +114,7 @@ def aux_ptr(block_var: str) -> str:
 
 def plan(m: ir.Mixer) -> Plan:
     loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm, *_bounds(i)) for i in m.inputs)
+    loads += tuple(Load(p.name, var(p.name), p.kind, False, False, *_bounds(p), per_head=True) for p in m.params)
     not_staged = _not_staged(m)
     summary = (f"mixer {m.name}",
                *("  " + line for line in printer.explicit(m).splitlines()[1:]))
@@ -138,7 +138,7 @@ def plan(m: ir.Mixer) -> Plan:
         chunk_size=16 if m.decay.kind == "diagonal" else 64,
         staged=not not_staged,
         staged_reason=not_staged,
-        staged_backward=not not_staged and m.decay.kind != "diagonal",
+        staged_backward=not not_staged,
         chain=chain(m) if not not_staged and m.decay.kind != "diagonal" else None,
     )
 

@@ -412,17 +412,11 @@ def test_backward_reuses_the_forwards_solve(compiled, monkeypatch):
 @pytest.mark.parametrize("strong", [False, True], ids=["tensor-core blocks", "exact blocks"])
 @pytest.mark.parametrize("name", ["kda", "gla", "precond_kda"])
 def test_staged_backward_for_per_channel_decays(name, strong, monkeypatch):
-    """The staged backward with a decay per key channel (rendered on: by default it waits for a
-    GPU run) takes its pairwise gradients by 16-token blocks; a diagonal block that decays past
-    exp(-SPAN) in some channel goes column by column (strong=True: four tokens of log-decay -30,
-    floored at -20 each, in one channel of one block). Gradients of every input and of h0
-    against the float64 reference, packed sequences."""
-    import dataclasses
-
-    import lrdsl.codegen.plan as plan_module
+    """The staged backward with a decay per key channel takes its pairwise gradients by 16-token
+    blocks; a diagonal block that decays past exp(-SPAN) in some channel goes column by column
+    (strong=True: four tokens of log-decay -30, floored at -20 each, in one channel of one block).
+    Gradients of every input and of h0 against the float64 reference, packed sequences."""
     from lrdsl.codegen.plan import Plan
-    original_plan = plan_module.plan
-    monkeypatch.setattr(plan_module, "plan", lambda m: dataclasses.replace(original_plan(m), staged_backward=True))
     mixer = lrdsl.compile(next(p for p in EXAMPLES if p.stem == name))
     launches = count_launches(monkeypatch, mixer.kernels, "staged_dk")
 

@@ -106,7 +106,8 @@ def test_backward_bf16(path):
 
 
 EDGE = [("deltanet", 256, 256, torch.bfloat16), ("gla", 256, 256, torch.bfloat16),
-        ("precond_kda", 100, 100, torch.float16), ("gdn2", 64, 200, torch.float32)]
+        ("precond_kda", 100, 100, torch.float16), ("gdn2", 64, 200, torch.float32),
+        ("gated_deltanet", 128, 128, torch.float32)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
@@ -196,11 +197,11 @@ def test_every_staged_config(name):
 
     ref = {b: run(mixer.reference, torch.float64, b) for b in (False, True)}
     space = mixer.kernels.TUNING_SPACE  # every config, also when LRDSL_AUTOTUNE=0 tunes over one
-    tuners = {n: getattr(mixer.kernels, n) for n in space}
+    # bf16 inputs: the kernels for fp32 intermediates run in test_edge_sizes (fp16 and fp32 inputs)
+    tuners = {n: getattr(mixer.kernels, n) for n in space if not n.endswith("_fp32")}
     assert tuners and all(isinstance(t, Autotuner) for t in tuners.values())
     assert "staged_output" in tuners
-    if mixer.kernels.DECAY != "diagonal":  # the staged backward covers the other decays
-        assert {"staged_dq", "staged_dstate", "staged_dk"} <= set(tuners)
+    assert {"staged_dq", "staged_dstate", "staged_dk"} <= set(tuners)
     saved = {n: (t.configs, dict(t.cache)) for n, t in tuners.items()}
     try:
         for n, tuner in tuners.items():
@@ -251,3 +252,32 @@ def test_strong_decays_gpu(name):
     RESULTS.append((name, "g=-1e8,-inf", errs["o"], max(errs.values())))
     for n, e in errs.items():
         assert e < (5e-3 if n in ("o", "S") else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL), (n, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["gdn2_atk", "precond_kda"])
+def test_prefill_then_decode_whole_state_gpu(name):
+    """Mixers with an auxiliary state, bf16 inputs: prefill with chunk (packed sequences, from a
+    whole initial state), then decode 1 and 7 tokens with step, which updates the whole state in
+    place; outputs and the final whole state against one float64 reference pass."""
+    path = next(p for p in EXAMPLES if os.path.basename(p) == name + ".lr")
+    mixer = lrdsl.compile(path)
+    N, T, pre, H, K, V = 3, 700, 692, 4, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = draw(mixer, N, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    first = mixer.reference(**{n: t[:, :50].double() for n, t in x.items()}, output_final_state=True)[1]
+    h0 = lrdsl.MixerState(first.S.float(), {n: t.float() for n, t in first.aux.items()})
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=first,
+                                   output_final_state=True)
+    # prefill: the N sequences packed into one row
+    packed = {n: t[:, :pre].reshape(1, N * pre, *t.shape[2:]) for n, t in x.items()}
+    cu = torch.arange(N + 1, device="cuda") * pre
+    with torch.no_grad():
+        o_pre, state = mixer.chunk(**packed, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        outs = [o_pre.reshape(N, pre, H, V)]
+        for lo, hi in ((pre, pre + 1), (pre + 1, T)):
+            outs.append(mixer.step(**{n: t[:, lo:hi].contiguous() for n, t in x.items()}, state=state))
+    e_o = rms_ratio(torch.cat(outs, 1), ref_o)
+    e_s = state_error(state, ref_s)
+    RESULTS.append((name, "prefill+step", e_o, e_s))
+    assert e_o < 5e-3 and e_s < 5e-3, (e_o, e_s)
