@@ -28,7 +28,7 @@ def render(plan: Plan, version: str) -> str:
 
 def render_solve(solve, version: str) -> str:
     """The module of an offline-solve mixer (codegen/solve.py's SolvePlan)."""
-    return _render("mesa_module.py.jinja", solve=solve, version=version)
+    return _render("mesa_module.py.jinja", solve=solve, plan=solve.base, version=version)
 
 
 def _render(template: str, **context) -> str:

@@ -181,6 +181,9 @@ class Mixer:
         """The chunk-parallel kernels; same signature and results as reference."""
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
         tensors = [batch.tensors[i.name] for i in self.ir.inputs]
+        if self.ir.solve_lam is not None:
+            from . import offline
+            return offline.chunk(self, batch)
         if batch.initial_aux is not None:
             return self._chunk_from_whole_state(batch, tensors)
         return self._chunk_tensors(batch, tensors)

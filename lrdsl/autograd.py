@@ -52,6 +52,9 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
     out = {"u": _full(to_torch(m.write.key)(env), shp["K"], dtype, dev),
            "z": _full(to_torch(m.write.value)(env), shp["V"], dtype, dev),
            "r": _full(to_torch(m.query)(env), shp["K"], dtype, dev) * b.scale}
+    if m.solve_lam is not None:  # the offline solve: its Gram state's other side k, and lam
+        out["kk"] = _full(env["k"], shp["K"], dtype, dev)
+        out["lam"] = _full(to_torch(m.solve_lam)(env), shp["K"], dtype, dev)
     if m.delta is not None:
         out["a"] = _full(to_torch(m.delta.a)(env), shp["K"], dtype, dev)
         out["c"] = _full(to_torch(m.delta.c)(env), shp["K"], dtype, dev)

@@ -78,3 +78,81 @@ def step(mixer, q, k, v, state, scale, inputs):
     for a, n in zip(aux, new[2]):
         a.copy_(n)
     return o
+
+
+def chunk(mixer, batch):
+    """mixer.chunk for an offline-solve mixer: (o, MixerState or None), differentiable in every
+    input and in the initial S and G (auxiliary initial states: forward only, as for other mixers)."""
+    m = mixer.ir
+    inputs, cu = host_inputs(mixer, batch)
+    names = list(inputs)
+    tensors = [batch.tensors[n] for n in names]
+    starts = [batch.initial_state, batch.initial_gram]
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in [*tensors, *starts])
+    if batch.initial_aux is not None and grad and any(t.requires_grad for t in batch.initial_aux):
+        raise InputError("chunk() does not differentiate through auxiliary initial states: pass them "
+                         "without requires_grad (the inputs, S and G are differentiable)")
+    if not grad:
+        o, final = mixer.kernels.chunk_fwd(inputs, batch.scale, state_in(m, batch), batch.output_final_state, cu)
+        return o, (state_out(m, *final) if final is not None else None)
+    aux0 = state_in(m, batch)[2] if batch.initial_aux is not None else None
+    o, ST, GT, *aux = ChunkFunction.apply(mixer, batch, names, aux0, *starts, *tensors)
+    return o, (state_out(m, ST, GT, aux) if batch.output_final_state else None)
+
+
+def _vector_grads(m, batch, names, tensors, needs, vgrads):
+    """The chain rule from the per-token vectors' gradients to the inputs', through PyTorch on the
+    expressions the reference evaluates (the general chunked kernels do the same)."""
+    from .autograd import _batch_like, token_vectors
+    wanted = [i for i, need in enumerate(needs) if need]
+    present = sorted(vgrads)
+
+    def vectors(*xs):
+        live = list(tensors)
+        for i, x in zip(wanted, xs):
+            live[i] = x
+        vecs = token_vectors(m, _batch_like(batch, dict(zip(names, live))), torch.float32)
+        return tuple(vecs[k] for k in present)
+
+    found = [None] * len(tensors)
+    if wanted:
+        _, pullback = torch.func.vjp(vectors, *[tensors[i].detach() for i in wanted])
+        for i, g in zip(wanted, pullback(tuple(vgrads[k] for k in present))):
+            found[i] = g.to(tensors[i].dtype)
+    return found
+
+
+class ChunkFunction(torch.autograd.Function):
+    """The chunked forward and backward of the offline solve (the forward keeps the solutions x and
+    the chunk-start states for the backward)."""
+
+    @staticmethod
+    def forward(ctx, mixer, batch, names, aux0, S0, G0, *tensors):
+        inputs, cu = dict(zip(names, (t.contiguous() for t in tensors))), batch.cu_seqlens
+        cu = cu.to(torch.int64).contiguous() if cu is not None else None
+        f32 = [None if t is None else t.detach().to(torch.float32).contiguous() for t in (S0, G0)]
+        state = None if f32 == [None, None] and aux0 is None else (*f32, aux0)
+        o, final, saved = mixer.kernels.chunk_fwd(inputs, batch.scale, state, batch.output_final_state, cu, keep=True)
+        ctx.mixer, ctx.batch, ctx.names, ctx.saved, ctx.cu, ctx.state = mixer, batch, names, saved, cu, state
+        ctx.starts = (S0, G0)
+        ctx.save_for_backward(*tensors)
+        if final is None:
+            return o, None, None
+        ctx.mark_non_differentiable(*final[2])
+        return (o, final[0], final[1], *final[2])
+
+    @staticmethod
+    def backward(ctx, do, dST=None, dGT=None, *_aux):
+        tensors = ctx.saved_tensors
+        m, batch = ctx.mixer.ir, ctx.batch
+        inputs = dict(zip(ctx.names, (t.contiguous() for t in tensors)))
+        if do is None:
+            do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
+        dht = (None if dST is None else dST.contiguous(), None if dGT is None else dGT.contiguous())
+        vgrads, dS0, dG0 = ctx.mixer.kernels.chunk_bwd(inputs, batch.scale, ctx.state, do, dht, ctx.cu, ctx.saved)
+        needs = ctx.needs_input_grad[6:]
+        grads = _vector_grads(m, batch, ctx.names, tensors, needs, vgrads)
+        S0, G0 = ctx.starts
+        dS0 = dS0.to(S0.dtype) if S0 is not None and ctx.needs_input_grad[4] else None
+        dG0 = dG0.to(G0.dtype) if G0 is not None and ctx.needs_input_grad[5] else None
+        return (None, None, None, None, dS0, dG0, *grads)

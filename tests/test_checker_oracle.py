@@ -113,6 +113,7 @@ class Model:
 EXAMPLES = {
     "linear_attention": Model("none", "none"), "retnet": Model("const", "none"),
     "mamba2": Model("exp_scalar", "none"), "mesa": Model("exp_scalar", "none"), "gla": Model("exp_diag", "none"),
+    "mesa_retention": Model("const", "none"),
     "deltanet": Model("none", "scalar"), "gated_deltanet": Model("exp_scalar", "scalar"),
     "gated_deltanet_negeig": Model("exp_scalar", "scalar", b_range=(0, 2, True, True)),
     "kda": Model("exp_diag", "scalar"), "kda_decay_after_erase": Model("exp_diag", "scalar", order="right"),

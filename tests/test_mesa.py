@@ -22,6 +22,9 @@ import lrdsl
 from lrdsl.fuzz import rms_ratio
 
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "mesa.lr"
+RETENTION = SPEC.parent / "mesa_retention.lr"  # a constant decay per head, lamb = 0.25 + softplus(x)
+UNDECAYED = ("mixer mesa_plain\ninput q[K] l2norm, k[K] l2norm, v[V], lamb[K] in (0, inf)\n"
+             "S = S + k v^T\no = S^T (G + diag(lamb))^-1 q\n")  # no decay, no gain
 
 
 def draw(B=2, T=9, H=2, HV=4, K=5, V=3, seed=0):
@@ -184,3 +187,91 @@ def test_a_per_channel_decay_gets_a_clear_error():
     x["g"] = F.logsigmoid(torch.randn(2, 9, 4, 4, dtype=torch.float64))
     with pytest.raises(lrdsl.LrdslError, match="not symmetric"):
         mixer.recurrent(**_f32(x))
+
+
+def _inputs(mixer, B, T, H, HV, K, V, seed):
+    """Fresh float64 inputs for any of the offline-solve specs here (lamb >= 0.1 where it is one)."""
+    x = draw(B=B, T=T, H=H, HV=HV, K=K, V=V, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    x["lamb_raw"] = torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64)
+    return {n: x[n] for n in mixer.inputs}
+
+
+def _spec(which, compiled):
+    return compiled(SPEC) if which == "mesa" else compiled(RETENTION) if which == "retention" else \
+        lrdsl.compile(text=UNDECAYED)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 16 tokens, so that short sequences cross several chunks."""
+    def use(mixer):
+        monkeypatch.setattr(mixer.kernels, "MESA_CHUNK", 16)
+        return mixer
+    return use
+
+
+@pytest.mark.parametrize("which", ["mesa", "retention", "undecayed"])
+def test_chunk_and_recurrent_match_the_exact_reference(which, compiled, small_chunks):
+    """Packed sequences (one empty) from a whole initial state, grouped value heads, 3 chunks."""
+    mixer = small_chunks(_spec(which, compiled))
+    x = _inputs(mixer, B=1, T=40, H=1, HV=2, K=16, V=8, seed=6)
+    cu = torch.tensor([0, 5, 5, 40])
+    h0 = _whole(3, 2, 16, 8, seed=7)
+    ref_o, ref_state = mixer.reference(**x, initial_state=_to64(h0), output_final_state=True, cu_seqlens=cu)
+    calls = [mixer.chunk] + ([mixer.recurrent] if which != "mesa" else [])  # mesa's: above
+    for call in calls:
+        o, state = call(**_f32(x), initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        assert rms_ratio(o, ref_o) < 1e-4 and rms_ratio(state, ref_state) < 1e-4, call.__name__
+
+
+@pytest.mark.parametrize("which", ["mesa", "retention", "undecayed"])
+def test_chunk_gradients_match_the_reference_autograd(which, compiled, small_chunks):
+    """Every input, S0 and G0, with gradients flowing from o and from both final states."""
+    mixer = small_chunks(_spec(which, compiled))
+    x = _inputs(mixer, B=2, T=35, H=1, HV=2, K=16, V=8, seed=8)
+    h0 = _whole(2, 2, 16, 8, seed=9)
+    gen = torch.Generator().manual_seed(10)
+
+    def run(call, dtype):
+        xs = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+        S0, G0 = h0.S.to(dtype).requires_grad_(), h0.aux["G"].to(dtype).requires_grad_()
+        o, st = call(**xs, initial_state=lrdsl.MixerState(S0, {"G": G0}), output_final_state=True, scale=0.6)
+        loss = sum((t * w.to(dtype)).sum() for t, w in zip((o, st.S, st.aux["G"]), weights))
+        return torch.autograd.grad(loss, [*xs.values(), S0, G0])
+
+    shapes = [(2, 35, 2, 8), (2, 2, 16, 8), (2, 2, 16, 16)]
+    weights = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
+    want, got = run(mixer.reference, torch.float64), run(mixer.chunk, torch.float32)
+    errors = {n: rms_ratio(a, b) for n, a, b in zip([*x, "S0", "G0"], got, want)}
+    assert all(e < 1e-4 for e in errors.values()), errors
+
+
+def test_few_steps_stay_within_the_cg_bound(compiled, small_chunks):
+    """With n < K steps, each token's solution error obeys CG's bound from its own condition number
+    kappa: ||x_n - x||_A <= 2 ((sqrt(kappa) - 1) / (sqrt(kappa) + 1))^n ||x_0 - x||_A (A-norm), so
+    ||x_n - x||_2 <= that / sqrt(lambda_min). Three steps are far from exact here (K = 16)."""
+    text = SPEC.read_text().replace("solve offline lamb", "solve offline lamb steps 3")
+    mixer = small_chunks(lrdsl.compile(text=text))
+    x = draw(B=1, T=20, H=1, HV=1, K=16, V=4, seed=11)
+    x["lamb"] = 0.02 + 0.1 * x["lamb"]  # a wide spread of eigenvalues
+    _, _, saved = mixer.kernels.chunk_fwd({n: t.float().contiguous() for n, t in x.items()}, 0.5, None, False,
+                                          None, keep=True)
+    l2 = lambda t: t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    q, k = l2(x["q"][0, :, 0]) * 0.5, l2(x["k"][0, :, 0])
+    G = torch.zeros(16, 16, dtype=torch.float64)
+    misses, slack = [], 0.0
+    for t in range(20):
+        G = torch.exp(x["g"][0, t, 0]) * G + x["beta"][0, t, 0] * torch.outer(k[t], k[t])
+        A = G + torch.diag(x["lamb"][0, t, 0])
+        exact = torch.linalg.solve(A, q[t])
+        lo, hi = torch.linalg.eigvalsh(A)[[0, -1]]
+        rate = (torch.sqrt(hi / lo) - 1) / (torch.sqrt(hi / lo) + 1)
+        e0 = q[t] / torch.diagonal(A) - exact
+        bound = 2 * rate ** 3 * torch.sqrt(e0 @ A @ e0) / torch.sqrt(lo)
+        err = (saved["x"][0, t, 0].double() - exact).norm()
+        slack = max(slack, float(err / bound))
+        if err > 1.01 * bound + 1e-4 * exact.norm():
+            misses.append((t, float(err), float(bound)))
+    assert not misses, misses
+    assert slack > 1e-3  # the bound is not vacuous here: three steps leave a visible error
