@@ -2,6 +2,10 @@
 
 The statements built here carry the span of the axis line they come from, so an error found later
 (an unstable range, say) still points at the line the user wrote.
+
+Inputs, params and lets may stand beside the axes to define the gates an axis names: `let g =
+-exp(A_log) * softplus(a + dt_bias)` then `decay scalar g`. An axis declares an input only for a
+name the spec does not define; a defined one keeps its definition (a let's range is proved).
 """
 from __future__ import annotations
 
@@ -9,10 +13,11 @@ from fractions import Fraction
 
 from .errors import SpecError
 from .syntax import (Allow, AxisDecay, AxisGain, AxisNormalize, AxisPrecond, AxisSolve, BinOp, Call, Decl,
-                     Inputs, Let, Neg, Num, Range, Readout, Spec, StateDecl, Transpose, Update, Var)
+                     Inputs, Let, Neg, Num, Params, Range, Readout, Spec, StateDecl, Transpose, Update, Var)
 
 AXES = (AxisDecay, AxisGain, AxisPrecond, AxisSolve, AxisNormalize)
-EXPLICIT = (Inputs, StateDecl, Let, Update, Readout)
+EXPLICIT = (StateDecl, Update, Readout)
+GATES = (Inputs, Params, Let)  # may define what the axes name
 ATK_DEFAULTS = {"x": Fraction(3, 2), "center": Fraction(-1, 5)}
 
 
@@ -26,11 +31,15 @@ def desugar(spec: Spec) -> Spec:
         return spec
     mixed = next((s for s in spec.statements if isinstance(s, EXPLICIT)), None)
     if mixed is not None:
-        raise SpecError("this spec mixes the axis form (decay/gain/precond/solve lines) with explicit "
-                        "statements; write it in one form", mixed.span)
+        raise SpecError("this spec mixes the axis form (decay/gain/precond/solve lines) with an explicit "
+                        "update (state, S = ..., o = ...); write it in one form (inputs, params and lets may "
+                        "stand beside the axes to define their gates)", mixed.span)
+    gates = tuple(s for s in spec.statements if isinstance(s, GATES))
+    defined = {d.name for s in gates if not isinstance(s, Let) for d in s.decls}
+    defined |= {s.name for s in gates if isinstance(s, Let)}
     axes = {}
     for s in spec.statements:
-        if isinstance(s, Allow):
+        if isinstance(s, (Allow, *GATES)):
             continue
         key = type(s).__name__
         if key in axes:
@@ -64,6 +73,14 @@ def desugar(spec: Spec) -> Spec:
              Decl("v", ("V", here), ("l2norm",) if "v" in norm else (), None, here)]
     stmts = []
 
+    def declare(decl, given_range=None):
+        """Declare an input an axis names, unless the spec defines that name itself."""
+        if decl.name not in defined:
+            decls.append(decl)
+        elif given_range is not None:
+            raise SpecError(f"'{decl.name}' is defined in the spec, so its range comes from there (declared, "
+                            "or proved for a let); drop the range from this line", given_range.span)
+
     # decay
     d_expr, d_kind = None, "none"
     if decay is not None:
@@ -80,7 +97,7 @@ def desugar(spec: Spec) -> Spec:
             if not isinstance(decay.expr, Var):
                 raise SpecError(f"`decay {d_kind}` names its log-decay input, e.g. `decay {d_kind} g`", span)
             g = decay.expr
-            decls.append(Decl(g.name, ("K", g.span) if d_kind == "diagonal" else None, ("log",), None, g.span))
+            declare(Decl(g.name, ("K", g.span) if d_kind == "diagonal" else None, ("log",), None, g.span))
             d_expr = Call("exp", (g,), (), span)
 
     # preconditioner
@@ -100,8 +117,8 @@ def desugar(spec: Spec) -> Spec:
                 raise SpecError(f"{site}(...) has no option '{name}'; its options are x and center", span)
             opts[name] = _const(val, f"{site} option {name}")
         ga, ba = precond.args
-        decls.append(Decl(ga.name, None, ("log", "shared"), None, ga.span))
-        decls.append(Decl(ba.name, None, ("shared",), Range(Fraction(0), Fraction(1), True, True, ba.span), ba.span))
+        declare(Decl(ga.name, None, ("log", "shared"), None, ga.span))
+        declare(Decl(ba.name, None, ("shared",), Range(Fraction(0), Fraction(1), True, True, ba.span), ba.span))
         k = Var("k", span)
         stmts.append(StateDecl("p_atk", ("K", span), BinOp("add",
             BinOp("emul", Call("exp", (ga,), (), span), Var("p_atk", span), span),
@@ -124,7 +141,7 @@ def desugar(spec: Spec) -> Spec:
         if len(gain.inputs) != 1:
             raise SpecError("`gain scalar` takes one input, e.g. `gain scalar beta in (0, 1)`", span)
         name, rng, nspan = gain.inputs[0]
-        decls.append(Decl(name, None, (), rng or Range(Fraction(0), Fraction(1), True, True, nspan), nspan))
+        declare(Decl(name, None, (), rng or Range(Fraction(0), Fraction(1), True, True, nspan), nspan), rng)
         beta = Var(name, nspan)
         if not offline:  # the offline solve replaces the online erase
             erase = BinOp("matmul", BinOp("matmul", beta, key, span), Transpose(k, span), span)
@@ -134,8 +151,8 @@ def desugar(spec: Spec) -> Spec:
             raise SpecError("`gain channelwise` takes an erase gate and a write gate, e.g. "
                             "`gain channelwise b, w`", span)
         (bn, br, bs), (wn, wr, ws) = gain.inputs
-        decls.append(Decl(bn, ("K", bs), (), br or Range(Fraction(0), Fraction(1), False, False, bs), bs))
-        decls.append(Decl(wn, ("V", ws), (), wr or Range(Fraction(0), Fraction(1), False, False, ws), ws))
+        declare(Decl(bn, ("K", bs), (), br or Range(Fraction(0), Fraction(1), False, False, bs), bs), br)
+        declare(Decl(wn, ("V", ws), (), wr or Range(Fraction(0), Fraction(1), False, False, ws), ws), wr)
         erase = BinOp("matmul", key, Transpose(BinOp("emul", Var(bn, bs), k, span), span), span)
         write = BinOp("matmul", key, Transpose(BinOp("emul", Var(wn, ws), v, span), span), span)
 
@@ -152,13 +169,13 @@ def desugar(spec: Spec) -> Spec:
     read = Transpose(S, span)
     if offline:
         lam, lspan = solve.lam
-        decls.append(Decl(lam, ("K", lspan), (), Range(Fraction(0), None, True, True, lspan), lspan))
+        declare(Decl(lam, ("K", lspan), (), Range(Fraction(0), None, True, True, lspan), lspan))
         gram = BinOp("add", Var("G", solve.span), Call("diag", (Var(lam, lspan),), (), lspan), solve.span)
         read = BinOp("matmul", read, BinOp("pow", gram, Neg(Num(Fraction(1), solve.span), solve.span),
                                            solve.span), solve.span)
     stmts.append(Readout(BinOp("matmul", read, query, span), span))
     allows = tuple(s for s in spec.statements if isinstance(s, Allow))
-    return Spec(spec.name, (Inputs(tuple(decls), spec.span), *stmts, *allows), spec.span)
+    return Spec(spec.name, (Inputs(tuple(decls), spec.span), *gates, *stmts, *allows), spec.span)
 
 
 def _const(node, what: str) -> Fraction:

@@ -53,6 +53,26 @@ class Input:
 
 
 @dataclass(frozen=True)
+class Param:
+    """A learned parameter: one number per value head (kind "scalar") or per head and key channel
+    ("K"), the same for every token. Where ranges and witnesses treat it like an input it reads as
+    one that is never shared, normalised or a log-decay."""
+    name: str
+    kind: str  # "scalar" | "K"
+    lo: sp.Expr
+    hi: sp.Expr
+    lo_open: bool
+    hi_open: bool
+    init: tuple  # how lrdsl.nn.Layer draws it: ("number", c), ("uniform", lo, hi), ("log", init), ...
+    span: Span | None = field(default=None, compare=False, hash=False)
+    shared = l2norm = unit = log = False  # class constants, not fields: what an Input would say
+
+    @property
+    def symbol(self) -> sp.Symbol:
+        return symbol(self.name)
+
+
+@dataclass(frozen=True)
 class Aux:
     """An auxiliary vector state: P_t = decay * P_{t-1} + write (elementwise), starting at zero."""
     name: str
@@ -103,6 +123,7 @@ class Mixer:
     # offline solve (Mesa): o = S^T (G + diag(solve_lam))^-1 (scale * query), G_t = D G_{t-1} + key k^T
     solve_lam: sp.Expr | None = None
     solve_steps: int = 30  # conjugate-gradient steps of the kernels' solve (the reference is exact)
+    params: tuple = ()  # Param, ...: learned per-head numbers the per-token expressions may read
     update_span: Span | None = field(default=None, compare=False, hash=False)
     readout_span: Span | None = field(default=None, compare=False, hash=False)
 
@@ -132,9 +153,14 @@ class Mixer:
     def input(self, name: str) -> Input:
         return next(i for i in self.inputs if i.name == name)
 
+    @property
+    def tensor_names(self) -> tuple:
+        """The tensors a call takes by name, in this order: every input, then every param."""
+        return tuple(i.name for i in (*self.inputs, *self.params))
+
     def kinds(self) -> dict:
         """Kind of every symbol a per-token expression may use."""
-        out = {i.name: i.kind for i in self.inputs}
+        out = {i.name: i.kind for i in (*self.inputs, *self.params)}
         out.update({a.name: a.kind for a in self.aux})
         out.update({l.name: l.kind for l in self.lets})
         out["h"] = "scalar"

@@ -20,11 +20,12 @@ from . import ir, primitives
 from .desugar import desugar
 from .errors import SpecError
 from .symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
-from .syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Readout, Spec, StateDecl, Transpose, Update,
-                     Var)
+from .params import lower_params
+from .syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Params, Readout, Spec, StateDecl, Transpose,
+                     Update, Var)
 
 RESERVED = {"S", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
-            "mixer", "input", "state", "let", "allow", "decay", "gain", "precond", "solve", "normalize",
+            "mixer", "input", "param", "state", "let", "allow", "decay", "gain", "precond", "solve", "normalize",
             "in", "unit", "l2norm", "shared", "none", "constant", "scalar", "diagonal", "channelwise",
             "atk", "atq", "online", "offline", "scale", "initial_state", "output_final_state",
             "cu_seqlens", "self", "mixer_name", "torch", "triton", "tl", "math", "inputs"}
@@ -146,7 +147,7 @@ class Lowerer:
         known = sorted(n for n in self.kinds if n != "h")
         close = difflib.get_close_matches(name, known, n=1)
         valid = not (name in RESERVED or keyword.iskeyword(name) or name.startswith("_")) and NAME_RE.match(name)
-        hint = f"; did you mean '{close[0]}'?" if close else f"; declare it with `input {name}`" if valid else ""
+        hint = f"; did you mean '{close[0]}'?" if close else f"; declare it with `input {name}` or `param {name}`" if valid else ""
         return SpecError(f"unknown name '{name}'{hint}", span)
 
     # -- expressions
@@ -391,7 +392,7 @@ def lower(spec: Spec) -> ir.Mixer:
                         "compile` writes <mixer name>.py; choose another name", spec.span)
     spec = desugar(spec)
     lw = Lowerer()
-    inputs, aux, lets = [], [], []
+    inputs, aux, lets, params = [], [], [], []
     inlined = {}  # let name -> its expression in inputs and states (sympy folds what it can)
     update = readout = None
     allow = set()
@@ -399,6 +400,8 @@ def lower(spec: Spec) -> ir.Mixer:
         if isinstance(st, Inputs):
             for d in st.decls:
                 inputs.append(_input(lw, d))
+        elif isinstance(st, Params):
+            params += lower_params(lw, st)
         elif isinstance(st, StateDecl):
             kind, kspan = st.shape
             if kind not in ("K", "V"):
@@ -456,7 +459,7 @@ def lower(spec: Spec) -> ir.Mixer:
             raise SpecError("the regulariser of the solve runs over key channels (K), not value channels",
                             readout.span)
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
-                 "unstable" in allow, solve_lam=out.lam, update_span=update.span,
+                 "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
                  readout_span=readout.span)
     check_constants(m, update.span)
     return m

@@ -62,7 +62,17 @@ def _vec(e: sp.Expr) -> str:
 def _range(i: ir.Input) -> str:
     if i.unit or i.l2norm or i.log or (i.lo == -sp.oo and i.hi == sp.oo):
         return ""
-    return f" in {'(' if i.lo_open else '['}{expr(i.lo)}, {expr(i.hi)}{')' if i.hi_open else ']'}"
+    return f" in {'(' if i.lo_open else '['}{_bound(i.lo)}, {_bound(i.hi)}{')' if i.hi_open else ']'}"
+
+
+def _bound(x: sp.Expr) -> str:
+    """A range's end as the grammar reads it: inf, or a decimal number (0.5, not 1/2)."""
+    if not x.is_Rational:
+        return expr(x)
+    from fractions import Fraction
+
+    from .params import decimal_text
+    return decimal_text(Fraction(int(x.p), int(x.q)))
 
 
 def decl(i: ir.Input) -> str:
@@ -70,6 +80,13 @@ def decl(i: ir.Input) -> str:
                               ("shared", i.shared and i.name not in ("q", "k"))) if on]
     shape = f"[{i.kind}]" if i.kind != "scalar" else ""
     return f"{i.name}{shape}{''.join(' ' + a for a in attrs)}{_range(i)}"
+
+
+def param_decl(p: ir.Param) -> str:
+    """A param as declared: name, [K], range, init (always printed: the default depends on the name)."""
+    from .params import init_text
+    shape = "[K]" if p.kind == "K" else ""
+    return f"{p.name}{shape}{_range(p)} init {init_text(p.init)}"
 
 
 def transition(m: ir.Mixer) -> str:
@@ -92,6 +109,8 @@ def transition(m: ir.Mixer) -> str:
 
 def explicit(m: ir.Mixer) -> str:
     lines = [f"mixer {m.name}", "input " + ", ".join(decl(i) for i in m.inputs)]
+    if m.params:
+        lines.append("param " + ", ".join(param_decl(p) for p in m.params))
     for a in m.aux:
         lines.append(f"state {a.name}[{a.kind}] = {expr(a.decay * ir.symbol(a.name) + a.write)}")
     for lt in m.lets:
@@ -126,6 +145,8 @@ def canonical(m: ir.Mixer) -> str:
                    f"{m.solve_steps} conjugate-gradient steps in the kernels)")
     for a in m.aux:
         out.append(f"aux     {a.name}[{a.kind}]  = {expr(a.decay)} * {a.name} + {expr(a.write)}")
+    for p in m.params:
+        out.append(f"param   {param_decl(p)}  (learned: [HV{', K' if p.kind == 'K' else ''}])")
     for lt in m.lets:
         out.append(f"let     {lt.name} = {expr(lt.expr)}")
     norm = [i.name for i in m.inputs if i.l2norm]

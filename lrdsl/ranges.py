@@ -67,7 +67,7 @@ class Ranges:
     """Interval of any per-token expression, from the declared input ranges and inferred states."""
 
     def __init__(self, mixer: ir.Mixer):
-        self.inputs = {i.symbol: i for i in mixer.inputs}
+        self.inputs = {i.symbol: i for i in (*mixer.inputs, *mixer.params)}  # a param: its declared range
         self.aux = {ir.symbol(a.name): a for a in mixer.aux}
         self.lets = {ir.symbol(l.name): l for l in mixer.lets}
         self.memo = {}

@@ -86,6 +86,21 @@ class Inputs:
 
 
 @dataclass(frozen=True)
+class ParamDecl:
+    name: str
+    shape: tuple | None  # ("K", span) or None for one number per head
+    range: Range | None
+    init: tuple | None  # ("number", c) | ("uniform" | "log_uniform", lo, hi) | ("log" | "softplus_inv", init)
+    span: Span
+
+
+@dataclass(frozen=True)
+class Params:
+    decls: tuple
+    span: Span
+
+
+@dataclass(frozen=True)
 class StateDecl:
     name: str
     shape: str
@@ -256,6 +271,25 @@ class _ToAst(Transformer):
     def input(self, meta, c):
         return Inputs(tuple(c), _span(meta))
 
+    def param_decl(self, meta, c):
+        name, shape, rng, init = c
+        return ParamDecl(str(name), shape, rng, init, _span(meta))
+
+    def param(self, meta, c):
+        return Params(tuple(c), _span(meta))
+
+    def init(self, meta, c):
+        return c[0]
+
+    def init_number(self, meta, c):
+        return ("number", _number(c[0]))
+
+    def init_dist(self, meta, c):
+        return (str(c[0]), _number(c[1]), _number(c[2]))
+
+    def init_call(self, meta, c):
+        return (str(c[0]), c[1])
+
     def state(self, meta, c):
         return StateDecl(str(c[0]), c[1], c[2], _span(meta))
 
@@ -319,6 +353,7 @@ _READABLE = {
     "LBOUND": "'(' or '['", "RBOUND": "')' or ']'", "INF": "'inf'",
     "DECAY_KIND": "none, constant, scalar or diagonal", "GAIN_KIND": "none, scalar or channelwise",
     "PRECOND_KIND": "none or diagonal", "PRECOND_SITE": "atk or atq", "SOLVE_KIND": "online or offline",
+    "INIT_DIST": "uniform or log_uniform", "INIT_FN": "log or softplus_inv",
 }
 
 
@@ -430,8 +465,8 @@ def _syntax_error(e: UnexpectedInput, text: str) -> SpecError:
     if first and "MIXER" in e.expected:
         return SpecError(f"a spec starts with a line `mixer NAME`, found {_describe(tok)}", span)
     if tok.type == "NAME" and tok.column == 1:
-        return SpecError(f"unknown statement {_describe(tok)}; statements are input, state, let, S = ..., "
-                         f"o = ..., allow, or the axes decay, gain, precond, solve, normalize", span)
+        return SpecError(f"unknown statement {_describe(tok)}; statements are input, param, state, let, "
+                         f"S = ..., o = ..., allow, or the axes decay, gain, precond, solve, normalize", span)
     if tok.type in ("$END", "_NL"):
         what = "spec" if tok.type == "$END" else "line"
         return SpecError(f"the {what} ends early; expected {_readable(e.expected)}", span)

@@ -52,7 +52,7 @@ def numeric(mixer: ir.Mixer) -> Numeric:
     syms |= {ir.symbol(x.name) for x in m.aux} | {ir.HEAD}
     args = tuple(sorted(syms, key=str))
     lets = [(lt.name, lt.kind, m.inline_lets(lt.expr)) for lt in m.lets]
-    return Numeric(m, tuple(map(str, args)), tuple(i for i in m.inputs if i.symbol in syms),
+    return Numeric(m, tuple(map(str, args)), tuple(i for i in (*m.inputs, *m.params) if i.symbol in syms),
                    *[_fn(args, e) for e in exprs] + [None] * (3 - len(exprs)),
                    tuple((n, _fn(args, dc), _fn(args, w)) for n, dc, w in aux),
                    tuple((n, k, _fn(args, e)) for n, k, e in lets if sp.sympify(e).free_symbols <= syms),
@@ -132,12 +132,20 @@ def _sample(rng, num: Numeric, n, K, steps) -> Seqs:
             if not i.unit:
                 tok[i.name] = np.where(rng.random((n, 1)) < 0.5, cycle[0][i.name], tok[i.name])
     h = rng.integers(0, 8, (n, 1)) if num.uses_h else np.zeros((n, 1))
-    return Seqs(h.astype(float), reps, token(), tuple(cycle))
+    return _tie(num, Seqs(h.astype(float), reps, token(), tuple(cycle)))
 
 
 def _perturb(rng, num: Numeric, s: Seqs, scale) -> Seqs:
     move = lambda tok: {i.name: _nudge(rng, i, tok[i.name], scale) for i in num.inputs}
-    return Seqs(s.h, s.reps, move(s.prefix) if num.aux else s.prefix, tuple(move(t) for t in s.steps))
+    return _tie(num, Seqs(s.h, s.reps, move(s.prefix) if num.aux else s.prefix, tuple(move(t) for t in s.steps)))
+
+
+def _tie(num: Numeric, s: Seqs) -> Seqs:
+    """A param holds one value for the whole sequence: every token takes the first step's."""
+    same = {i.name: s.steps[0][i.name] for i in num.inputs if isinstance(i, ir.Param)}
+    if not same:
+        return s
+    return Seqs(s.h, s.reps, {**s.prefix, **same}, tuple({**t, **same} for t in s.steps))
 
 
 # ---- evaluation, batched over candidates --------------------------------------------------------

@@ -84,7 +84,7 @@ case("q_not_a_vector", spec(*L), at(L, 2, "q"), "input q[K]")
 L = [*HEAD, "S = S + k v^T", "S = S + k v^T", "o = S^T q"]
 case("update_twice", spec(*L), (4, 1), "updated twice")
 L = ["mixer m", "decay none", "input q[K], k[K], v[V]", "S = S + k v^T", "o = S^T q"]
-case("mixed_axis_explicit", spec(*L), (3, 1), "mixes the axis form")
+case("mixed_axis_explicit", spec(*L), (4, 1), "mixes the axis form")  # inputs may stand beside axes
 L = ["mixer m", "decay none", "gain none", "solve offline"]
 case("solve_offline", spec(*L), (4, 1), "offline", "solve online")
 L = ["mixer m", "decay scalar", "gain none"]
