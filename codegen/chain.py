@@ -5,7 +5,8 @@ erase direction), the erase read c, the scaled query r, the write value z and th
 Each is an elementwise expression of the inputs (lets substituted), so the gradient of an input is
 a sum of (vector gradient) x (partial derivative), summed over the channels where the input has
 fewer of them (a per-head input in a key-channel vector), then through the in-mixer L2 norm and
-the range clamp. sympy differentiates; `cse` shares the common subexpressions; texpr lowers them.
+the range clamp. A param's line is the same: its per-token terms, summed over the tokens by the
+host. sympy differentiates; `cse` shares the common subexpressions; texpr lowers them.
 Specs with auxiliary states (scans) keep the PyTorch chain rule: their inputs reach the vectors
 through a recurrence, not elementwise.
 """
@@ -64,7 +65,7 @@ def chain(m: ir.Mixer) -> Chain | None:
     gl = _inline(m, m.log_decay()) if m.decay.kind == "scalar" else None
     # every derivative, per input: key-channel ones (and the log-decay's), value-channel ones
     k_parts, v_parts = [], []
-    for i in m.inputs:
+    for i in (*m.inputs, *m.params):  # in the order of the plan's loads
         kt = [(n, d) for n, d in ((n, sp.diff(e, i.symbol)) for n, e in kv.items()) if d != 0]
         gd = sp.diff(gl, i.symbol) if gl is not None else sp.Integer(0)
         k_parts.append((kt, gd))

@@ -41,6 +41,11 @@ class Mixer:
     def inputs(self) -> tuple:
         return tuple(i.name for i in self.ir.inputs)
 
+    @property
+    def params(self) -> tuple:
+        """The names of the spec's learned params (tensors [HV] or [HV, K], passed like inputs)."""
+        return tuple(p.name for p in self.ir.params)
+
     def __repr__(self) -> str:
         return f"<lrdsl.Mixer {self.name}: {printer.transition(self.ir)} S + write>"
 
@@ -93,7 +98,7 @@ class Mixer:
             return offline.recurrent(self, batch)
         if self._whole_state(batch):
             from .autograd import host_args
-            names = [i.name for i in self.ir.inputs]
+            names = list(self.ir.tensor_names)
             tensors, h0, cu = host_args(names, [batch.tensors[n] for n in names], batch.initial_state, cu_seqlens)
             o, ht, aux = self.kernels.recurrent_fwd(tensors, batch.scale, h0, output_final_state, cu,
                                                     initial_aux=self._aux_in(batch), final_aux=True)
@@ -180,10 +185,10 @@ class Mixer:
               cu_seqlens=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference."""
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
-        tensors = [batch.tensors[i.name] for i in self.ir.inputs]
         if self.ir.solve_lam is not None:
             from . import offline
             return offline.chunk(self, batch)
+        tensors = [batch.tensors[n] for n in self.ir.tensor_names]
         if batch.initial_aux is not None:
             return self._chunk_from_whole_state(batch, tensors)
         return self._chunk_tensors(batch, tensors)
@@ -193,7 +198,7 @@ class Mixer:
         import torch
 
         from . import autograd
-        names = [i.name for i in self.ir.inputs]
+        names = list(self.ir.tensor_names)
         inputs, h0, cu = autograd.host_args(names, tensors, batch.initial_state, batch.cu_seqlens)
         aux0 = self._aux_in(batch)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
@@ -212,7 +217,7 @@ class Mixer:
 
         from . import autograd
         if self.keep_intermediates:
-            names = tuple(i.name for i in self.ir.inputs)
+            names = self.ir.tensor_names
             o, ht = autograd.KeptChunkFunction.apply(self.ir, self.kernels, batch, names, batch.initial_state,
                                                      *tensors)
             if ht is None or not self.ir.aux:

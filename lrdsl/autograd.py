@@ -107,8 +107,13 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     found = [None] * len(tensors)
     if wanted:
         _, pullback = torch.func.vjp(vectors, *[tensors[i].detach() for i in wanted])
+        storages = set()
         for i, g in zip(wanted, pullback(tuple(vgrads[k] for k in present))):
-            found[i] = g.to(tensors[i].dtype)
+            g = g.to(tensors[i].dtype)
+            if g.untyped_storage().data_ptr() in storages:  # a + dt_bias: one gradient for both, and
+                g = g.clone()  # the custom op's outputs may not alias one another
+            storages.add(g.untyped_storage().data_ptr())
+            found[i] = g
     grads = found
     return grads, dh0
 
@@ -142,7 +147,7 @@ def chunk_op(mixer_ir, module, key: str):
     autograd formula, so torch.compile sees one opaque op and no graph break. One op per module."""
     if key in _OPS:
         return _OPS[key]
-    names = tuple(i.name for i in mixer_ir.inputs)
+    names = mixer_ir.tensor_names  # the inputs, then the params
     lib = f"lrdsl::{mixer_ir.name}_{key}"
 
     def sizes(tensors, cu_seqlens):

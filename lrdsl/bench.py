@@ -31,7 +31,7 @@ def parse_shape(text: str) -> Shape:
 
 
 def draw(mixer, s: Shape, dtype=torch.bfloat16, device="cuda", seed=0) -> dict:
-    """Inputs inside their declared ranges; log-decays in fp32 (as FLA takes them)."""
+    """Inputs inside their declared ranges; log-decays in fp32 (as FLA takes them); params in fp32."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for i in mixer.ir.inputs:
@@ -45,6 +45,9 @@ def draw(mixer, s: Shape, dtype=torch.bfloat16, device="cuda", seed=0) -> dict:
         elif math.isfinite(float(i.lo)) and math.isfinite(float(i.hi)):
             x = float(i.lo) + (float(i.hi) - float(i.lo)) * torch.sigmoid(x)
         out[i.name] = x.to(dtype)
+    from .params import sample
+    for p in mixer.ir.params:  # fp32 per head, drawn as lrdsl.nn.Layer initialises them
+        out[p.name] = sample(p.init, (s.H, s.K) if p.kind == "K" else (s.H,)).to(device)
     return out
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import ir
 from .errors import LrdslError
 from .tensors import MixerState
 
@@ -84,6 +85,8 @@ def input_line(inp) -> str:
     """Python text (over torch, F and the sizes B, T, H, HV, K, V) that draws one input in its range."""
     heads = "H" if inp.shared else "HV"
     shape = f"B, T, {heads}" if inp.kind == "scalar" else f"B, T, {heads}, {inp.kind}"
+    if isinstance(inp, ir.Param):  # one value per head (and key channel), the same at every token
+        shape = "HV" if inp.kind == "scalar" else "HV, K"
     lo = float(inp.lo) if inp.lo.is_finite else -math.inf
     hi = float(inp.hi) if inp.hi.is_finite else math.inf
     if inp.l2norm:  # normalised inside the mixer: any vector
@@ -107,8 +110,8 @@ def input_line(inp) -> str:
 
 
 def input_lines(mixer) -> list:
-    """(name, text) for every input, in the order they are drawn (the spec's input order)."""
-    return [(i.name, input_line(i)) for i in mixer.ir.inputs]
+    """(name, text) for every input, then every param, in the order they are drawn (the spec's)."""
+    return [(i.name, input_line(i)) for i in (*mixer.ir.inputs, *mixer.ir.params)]
 
 
 def draw_inputs(mixer, case: Case, device="cpu") -> tuple:

@@ -59,10 +59,7 @@ def prepare_inputs(m: ir.Mixer, b: Batch, dtype: torch.dtype) -> dict:
     for i in m.inputs:
         x = b.tensors[i.name].to(dtype)
         if not (i.l2norm or i.unit):  # outside its declared range a value is clamped into it
-            if i.lo.is_finite:        # (as the kernels do); nan stays nan
-                x = torch.where(x < float(i.lo), torch.full_like(x, float(i.lo)), x)
-            if i.hi.is_finite:
-                x = torch.where(x > float(i.hi), torch.full_like(x, float(i.hi)), x)
+            x = _clamped(i, x)
         if i.shared and G > 1:
             x = x.repeat_interleave(G, dim=2)
         if i.l2norm:
@@ -70,7 +67,19 @@ def prepare_inputs(m: ir.Mixer, b: Batch, dtype: torch.dtype) -> dict:
         if i.kind == "scalar":
             x = x.unsqueeze(-1)
         out[i.name] = x
+    for p in m.params:  # [HV] or [HV, K], the same at every token: a broadcast view, no copy
+        x = _clamped(p, b.tensors[p.name].to(dtype))
+        out[p.name] = x.reshape(1, 1, b.HV, -1).expand(b.B, b.T, b.HV, x.shape[-1] if p.kind == "K" else 1)
     return out
+
+
+def _clamped(i, x: torch.Tensor) -> torch.Tensor:
+    """x clamped into i's declared range (as the kernels do); nan stays nan."""
+    if i.lo.is_finite:
+        x = torch.where(x < float(i.lo), torch.full_like(x, float(i.lo)), x)
+    if i.hi.is_finite:
+        x = torch.where(x > float(i.hi), torch.full_like(x, float(i.hi)), x)
+    return x
 
 
 def scan(m: ir.Mixer, b: Batch):

@@ -80,10 +80,12 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
     given = dict(inputs)
     given.update(q=q, k=k, v=v)
     declared = {i.name: i for i in mixer.inputs}
+    params = {n: given.pop(n) for n in [p.name for p in mixer.params] if n in given}
     unknown = sorted(set(given) - set(declared))
     if unknown:
+        also = f" and params {', '.join(p.name for p in mixer.params)}" if mixer.params else ""
         raise InputError(f"mixer '{mixer.name}' has no input named {unknown[0]!r}; its inputs are "
-                         f"{', '.join(declared)}")
+                         f"{', '.join(declared)}{also}")
     missing = [n for n in declared if given.get(n) is None]
     if missing:
         inp = declared[missing[0]]
@@ -124,6 +126,8 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         c = cu_seqlens.tolist()
         if len(c) < 2 or c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
             raise InputError(f"cu_seqlens must start at 0, never decrease and end at T={T}, got {c}")
+    from .params import check_tensors
+    given.update(check_tensors(mixer, params, HV, K, q.device))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     initial_aux = initial_gram = None
     if isinstance(initial_state, MixerState):
@@ -201,7 +205,7 @@ def assert_in_ranges(mixer: ir.Mixer, b: Batch) -> None:
     """Every input inside its declared range (nan aside). On a GPU a device-side assert, which costs
     no host synchronisation (a violation fails the next synchronising call); on a CPU an InputError."""
     import torch
-    for i in mixer.inputs:
+    for i in (*mixer.inputs, *mixer.params):
         if i.l2norm or i.unit or not (i.lo.is_finite or i.hi.is_finite):
             continue
         x = b.tensors[i.name]
@@ -210,7 +214,7 @@ def assert_in_ranges(mixer: ir.Mixer, b: Batch) -> None:
             ok &= ~(x < float(i.lo))
         if i.hi.is_finite:
             ok &= ~(x > float(i.hi))
-        what = f"input {i.name!r} has values outside its declared range [{i.lo}, {i.hi}]"
+        what = f"{'param' if isinstance(i, ir.Param) else 'input'} {i.name!r} has values outside its declared range [{i.lo}, {i.hi}]"
         if x.device.type == "cpu":
             if not bool(ok.all()):
                 raise InputError(what)

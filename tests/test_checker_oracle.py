@@ -115,6 +115,8 @@ EXAMPLES = {
     "mamba2": Model("exp_scalar", "none"), "mesa": Model("exp_scalar", "none"), "gla": Model("exp_diag", "none"),
     "mesa_retention": Model("const", "none"),
     "deltanet": Model("none", "scalar"), "gated_deltanet": Model("exp_scalar", "scalar"),
+    # g = -exp(A_log) softplus(a + dt_bias) spans g <= 0 (open at 0), beta = sigmoid(b) spans (0, 1)
+    "gated_deltanet_gates": Model("exp_scalar", "scalar", gain_fn="sigmoid"),
     "gated_deltanet_negeig": Model("exp_scalar", "scalar", b_range=(0, 2, True, True)),
     "kda": Model("exp_diag", "scalar"), "kda_decay_after_erase": Model("exp_diag", "scalar", order="right"),
     "gdn2": Model("exp_diag", "channel", b_range=(0, 1, False, False)),

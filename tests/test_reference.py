@@ -83,6 +83,14 @@ def step_gdn(S, P, z):
     return M @ S + b * torch.outer(k, z["v"]), P
 
 
+def step_gdn_gates(S, P, z):
+    """Gated DeltaNet with FLA's gates: per-token a, b and per-head params A_log, dt_bias."""
+    g = -torch.exp(z["A_log"]) * torch.nn.functional.softplus(z["a"] + z["dt_bias"])
+    k, b = z["k"], torch.sigmoid(z["b"])
+    M = torch.exp(g) * (eye(z) - b * torch.outer(k, k))
+    return M @ S + b * torch.outer(k, z["v"]), P
+
+
 def step_kda(S, P, z):
     k, b = z["k"], z["beta"]
     M = (eye(z) - b * torch.outer(k, k)) @ torch.diag(torch.exp(z["g"]))
@@ -144,6 +152,9 @@ MODELS = {  # example -> (l2norm q and k, inputs besides q k v, step, has an aux
     "deltanet": (True, {"beta": ("HV", None, "gate")}, step_deltanet, False),
     "gated_deltanet": (True, {"g": ("HV", None, "log"), "beta": ("HV", None, "gate")}, step_gdn, False),
     "gated_deltanet_negeig": (True, {"g": ("HV", None, "log"), "beta": ("HV", None, "gate2")}, step_gdn, False),
+    "gated_deltanet_gates": (True, {"a": ("HV", None, "normal"), "b": ("HV", None, "normal"),
+                                    "A_log": ("HV", None, "param"), "dt_bias": ("HV", None, "param")},
+                             step_gdn_gates, False),  # "param": one value per head, [HV]
     "kda": (True, {"g": ("HV", "K", "log"), "beta": ("HV", None, "gate")}, step_kda, False),
     "kda_decay_after_erase": (True, {"g": ("HV", "K", "log"), "beta": ("HV", None, "gate")},
                               step_kda_after, False),
@@ -179,8 +190,10 @@ def make_inputs(name, B=2, T=7, H=2, HV=4, K=5, V=3, seed=0, dtype=torch.float64
     chans = {None: (), "K": (K,), "V": (V,)}
     out = {}
     for inp, (h, c, dist) in MODELS[name][1].items():
-        shape = (B, T, heads[h], *chans[c])
-        if dist == "log":
+        shape = (heads[h], *chans[c]) if dist == "param" else (B, T, heads[h], *chans[c])
+        if dist in ("param", "normal"):
+            x = randn(*shape)
+        elif dist == "log":
             x = torch.nn.functional.logsigmoid(randn(*shape))
         elif dist == "gate":
             x = torch.sigmoid(randn(*shape))
@@ -213,12 +226,18 @@ def direct(name, q, k, v, inputs, scale=None, h0=None, P0=None):
                 if norm:
                     qt, kt = l2(qt), l2(kt)
                 z = {"q": qt, "k": kt, "v": v[b, t, hv].double(), "hv": hv}
-                for nm, (heads, _, _) in decl.items():
-                    z[nm] = inputs[nm][b, t, h if heads == "H" else hv].double()
+                for nm, (heads, _, dist) in decl.items():
+                    x = inputs[nm] if dist == "param" else inputs[nm][b, t]
+                    z[nm] = x[h if heads == "H" else hv].double()
                 S, P = step(S, P, z)
                 o[b, t, hv] = S.T @ (scale * qt)
             S_out[b, hv], P_out[b, hv] = S, P
     return o, S_out, P_out
+
+
+def tokens(inputs, sl):
+    """The inputs of the tokens sl ([B, T, ...] cut along T); params ([HV]) stay whole."""
+    return {nm: x[:, sl] if x.dim() >= 3 else x for nm, x in inputs.items()}
 
 
 def parts(state):
@@ -400,7 +419,7 @@ def test_varlen_equals_per_sequence_runs(mixers, name):
         if bos == eos:
             assert torch.equal(S[n], h0[n])  # an empty sequence leaves its state alone
             continue
-        sl = {nm: x[:, bos:eos] for nm, x in inputs.items()}
+        sl = tokens(inputs, slice(bos, eos))
         o_n, S_n = m.reference(q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], initial_state=h0[n:n + 1],
                                output_final_state=True, **sl)
         P_n = None
@@ -437,8 +456,7 @@ def test_state_hand_over(mixers, name):
     h0 = torch.randn(2, 2, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
     o, S = m.reference(q, k, v, initial_state=h0, output_final_state=True, **inputs)
     T1 = 4
-    first = {nm: x[:, :T1] for nm, x in inputs.items()}
-    second = {nm: x[:, T1:] for nm, x in inputs.items()}
+    first, second = tokens(inputs, slice(None, T1)), tokens(inputs, slice(T1, None))
     o1, S1 = m.reference(q[:, :T1], k[:, :T1], v[:, :T1], initial_state=h0, output_final_state=True, **first)
     o2, S2 = m.reference(q[:, T1:], k[:, T1:], v[:, T1:], initial_state=S1, output_final_state=True, **second)
     assert rel(torch.cat([o1, o2], dim=1), o) < 1e-12
@@ -453,8 +471,7 @@ def test_state_hand_over_with_aux_state(mixers, name):
     q, k, v, inputs = make_inputs(name, B=2, T=9, H=1, HV=2, K=4, V=3, seed=12)
     o, whole = m.reference(q, k, v, output_final_state=True, **inputs)
     T1 = 4
-    first = {nm: x[:, :T1] for nm, x in inputs.items()}
-    second = {nm: x[:, T1:] for nm, x in inputs.items()}
+    first, second = tokens(inputs, slice(None, T1)), tokens(inputs, slice(T1, None))
     o1, st1 = m.reference(q[:, :T1], k[:, :T1], v[:, :T1], output_final_state=True, **first)
     assert rel(o1, o[:, :T1]) < 1e-12
     _, S1_d, P1_d = direct(name, q[:, :T1], k[:, :T1], v[:, :T1], first)
