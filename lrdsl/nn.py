@@ -15,6 +15,12 @@ cut its gradient off):
 - a bounded range (lo, hi): lo + (hi - lo) * sigmoid(x) ((0, 1) -> sigmoid);
 - bounded on one side: lo + softplus(x) or hi - softplus(x); unbounded: x itself.
 
+A spec's params (`param A_log, dt_bias`) become nn.Parameters of the same names, [num_v_heads] or
+[num_v_heads, head_dim], drawn by their `init` (printed by `lrdsl show`; by default Mamba-2's for
+A_log and dt_bias, 0 otherwise) and marked `_no_weight_decay`, as Mamba marks its A_log and dt_bias.
+The mixer reads them inside its kernels, so FLA's gates, `g = -exp(A_log) * softplus(a + dt_bias)`
+over a plain projection `a`, are spec text.
+
 Layouts follow the mixer's (flash-linear-attention's): num_heads for q and k (and `shared` inputs),
 num_v_heads for v and every other per-head input.
 """
@@ -159,12 +165,15 @@ class Layer(nn.Module):
             if self.kinds[inp.name] == "decay":
                 self._add(f"{inp.name}_A_log", nn.Parameter(torch.empty(heads)))
                 self._add(f"{inp.name}_dt_bias", nn.Parameter(torch.empty(heads, width)))
+        for p in spec.ir.params:
+            self._add(p.name, nn.Parameter(torch.empty(self.num_v_heads, *((self.head_dim,) if p.kind == "K" else ()))))
         HV, V = self.num_v_heads, self.head_v_dim
         if self.use_output_gate:
             self._add("o_gate_proj", nn.Linear(hidden_size, HV * V, bias=False))
         self._add("o_norm_weight", nn.Parameter(torch.ones(V)))
         self._add("o_proj", nn.Linear(HV * V, hidden_size, bias=False))
         self.reset_decays()
+        self.reset_params()
 
     def _add(self, name: str, value) -> None:
         if hasattr(self, name):  # an input named o_gate or o_norm, say
@@ -189,6 +198,15 @@ class Layer(nn.Module):
             dt = torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_(min=1e-4)
             dt_bias.copy_(_inverse_softplus(dt))
             A_log._no_weight_decay = dt_bias._no_weight_decay = True  # Mamba's convention for optimisers
+
+    @torch.no_grad()
+    def reset_params(self) -> None:
+        """Draw every param of the spec by its init (lrdsl/params.py)."""
+        from .params import sample
+        for p in self.mixer.ir.params:
+            t = getattr(self, p.name)
+            t.copy_(sample(p.init, tuple(t.shape)))
+            t._no_weight_decay = True
 
     def extra_repr(self) -> str:
         return (f"mixer={self.mixer.name}, hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
@@ -286,6 +304,7 @@ class Layer(nn.Module):
         dtype = torch.float32 if x.device.type == "cpu" else raw["v"].dtype
         inputs = {n: (t.float() if ir.input(n).log else t.to(dtype)).contiguous() for n, t in raw.items()}
         q, k, v = (inputs.pop(n) for n in CONVOLVED)
+        inputs.update({p.name: getattr(self, p.name) for p in ir.params})  # read inside the kernels
         decode_in_place = cache is not None and cu_seqlens is None and not (
             torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())))
         with torch.autocast(x.device.type, enabled=False):

@@ -1,7 +1,8 @@
 """lrdsl.nn.Layer on the CPU (Triton's interpreter), tiny sizes: it trains, prefill-then-decode
 equals one pass, every parameter gets a gradient, state_dict round trips, bf16 autocast runs, gates
-start inside their declared ranges, and mistakes are one clear sentence. Two specs: Gated DeltaNet
-(scalar decay, delta rule) and GLA (a decay per key channel, no erase)."""
+start inside their declared ranges, and mistakes are one clear sentence. Three specs: Gated DeltaNet
+(scalar decay, delta rule), GLA (a decay per key channel, no erase) and Gated DeltaNet with FLA's
+gates written in the spec (learned per-head params A_log and dt_bias read inside the kernels)."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ import lrdsl
 from lrdsl.nn import Cache, Layer, short_conv
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = ["gated_deltanet", "gla"]
+SPECS = ["gated_deltanet", "gla", "gated_deltanet_gates"]  # the last: FLA's gates from spec params
 D, H, K = 32, 2, 16
 
 
@@ -136,6 +137,24 @@ def test_inputs_start_inside_their_ranges(compiled):
                 assert (t < 0).all()
         if name == "gated_deltanet_negeig":  # beta in (0, 2): 2 sigmoid, values above 1 reachable
             assert L._map(L.mixer.ir.input("beta"), torch.full((1, 1, H), 5.0)).min() > 1.9
+
+
+def test_spec_params_are_layer_parameters(compiled):
+    """`param A_log, dt_bias`: nn.Parameters [num_v_heads] drawn by their init (Mamba-2's), kept out of
+    weight decay, in the state_dict, and the plain projections a and b feed the spec's gates."""
+    L = layer(compiled, "gated_deltanet_gates", num_v_heads=2 * H)
+    params = dict(L.named_parameters())
+    assert params["A_log"].shape == (2 * H,) and params["dt_bias"].shape == (2 * H,)
+    assert {"A_log", "dt_bias", "a_proj.weight", "b_proj.weight"} <= set(L.state_dict())
+    A, dt = L.A_log.exp(), F.softplus(L.dt_bias)
+    assert ((A >= 1) & (A <= 16)).all() and ((dt >= 1e-3 * (1 - 1e-5)) & (dt <= 0.1 * (1 + 1e-5))).all()
+    assert L.A_log._no_weight_decay and L.dt_bias._no_weight_decay
+    assert len({round(x, 6) for x in L.A_log.tolist()}) == 2 * H  # drawn, not one value
+    assert L.kinds["a"] == L.kinds["b"] == "raw"  # the spec maps them into range itself
+    clash = lrdsl.compile(text="mixer m\ninput a\nparam a_proj\nlet g = -softplus(a + a_proj)\ndecay scalar g\n",
+                          load_kernels=False)
+    with pytest.raises(lrdsl.LrdslError, match="'a_proj' clashes"):
+        Layer(clash, D, H, K)
 
 
 def test_clear_errors(compiled):
