@@ -86,12 +86,18 @@ TWINS = {
                                    beta_atk=x["beta_atk"], beta=x["beta"])),
 }
 TWINS["gated_deltanet_negeig"] = TWINS["gated_deltanet"]
+# Mesa: FLA takes unit q, k, 30 CG steps (ours by default) and one lamb per head and key channel
+# ([H, K]: the first token's here; the times do not depend on its values)
+TWINS["mesa"] = ("mesa_net.chunk_mesa_net", lambda x: dict(
+    q=_unit(x["q"]), k=_unit(x["k"]), v=x["v"], g=x["g"], beta=x["beta"],
+    lamb=(x["lamb"][0, 0] if "lamb" in x else 0.25 + F.softplus(x["lamb_raw"][0, 0].float())).float()))
 # novel examples: the closest FLA op
 TWINS["channel_gates_scalar_decay"] = ("gdn2.chunk_gdn2", lambda x: dict(
     q=x["q"], k=x["k"], v=x["v"], g=x["g"][..., None].expand_as(x["k"]).contiguous().float(), b=x["b"], w=x["w"],
     use_qk_l2norm_in_kernel=True))
 TWINS["gdn2_atk"] = TWINS["gdn2"]
 TWINS["kda_decay_after_erase"] = TWINS["kda"]
+TWINS["mesa_retention"] = TWINS["mesa"]  # FLA's gated Mesa (fresh g), lamb from lamb_raw
 
 
 def twin(mixer):

@@ -258,7 +258,9 @@ def check(mixer: ir.Mixer) -> dict:
         "notes": notes,
     }
     if mixer.solve_lam is not None:
+        from .cgfacts import cg_fact
         out["solve_well_posed"] = _solve_well_posed(mixer, notes)
+        out["cg"] = cg_fact(mixer, notes)
     return out
 
 
@@ -284,13 +286,15 @@ def _json(x):
 
 def _solve_well_posed(mixer: ir.Mixer, notes: list) -> bool:
     """The offline solve reads (G + diag(lam))^-1 q with G_t = D G_{t-1} + u k^T: G is positive
-    semi-definite when D >= 0 and u is a non-negative per-head multiple of k, and then lam > 0 makes
-    the matrix positive definite."""
+    semi-definite when D >= 0 is one number per head (a decay per key channel makes D G
+    non-symmetric) and u is a non-negative per-head multiple of k, and then lam > 0 makes the matrix
+    positive definite."""
     rng = Ranges(mixer)
     lam_lo = rng.of(mixer.inline_lets(mixer.solve_lam))[0]
     ratio = simplified(mixer.inline_lets(mixer.write.key) / ir.symbol("k"))
     per_head = not _per_channel(mixer, ratio)
-    psd = bool(per_head and rng.of(ratio)[0] >= 0 and rng.of(mixer.decay.value)[0] >= 0)
+    psd = bool(per_head and rng.of(ratio)[0] >= 0 and rng.of(mixer.decay.value)[0] >= 0
+               and mixer.decay.kind != "diagonal")
     lam_in = next((i for i in mixer.inputs if i.symbol == mixer.solve_lam), None)
     positive = bool(lam_lo > 0 or (lam_in is not None and bool(lam_in.lo >= 0) and lam_in.lo_open))
     ok = psd and positive
@@ -298,8 +302,8 @@ def _solve_well_posed(mixer: ir.Mixer, notes: list) -> bool:
         notes.append(f"The readout solves (G + diag(lam)) x = q: G = D G + ({ratio}) k k^T is positive "
                      f"semi-definite and lam > 0, so the solve is well posed.")
     else:
-        notes.append("The readout's solve is not proved well posed: it needs D >= 0, a write key that is "
-                     "a non-negative multiple of k, and lam > 0.")
+        notes.append("The readout's solve is not proved well posed: it needs D >= 0 with one number per head, "
+                     "a write key that is a non-negative multiple of k, and lam > 0.")
     return ok
 
 
@@ -341,7 +345,8 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
     expression whose range is too wide, the range found, and a fix that is actually one."""
     if result.get("solve_well_posed") is False and not mixer.allow_unstable:
         return ("the readout's solve (G + diag(lamb))^-1 q is not proved well posed: declare the regulariser "
-                "positive (e.g. `lamb[K] in (0, inf)`) and keep the write key a non-negative multiple of k")
+                "positive (e.g. `lamb[K] in (0, inf)`), keep the write key a non-negative multiple of k and the "
+                "decay one number per head (a decay per key channel makes the Gram state non-symmetric)")
     if result["facts"]["stable"] == PROVED or mixer.allow_unstable:
         return None
     w = result["witnesses"].get("stable")

@@ -9,6 +9,10 @@ reference run on float64 copies of the same inputs:
 
     rms(kernel - reference) / rms(reference) < 1e-4   for o and for the final state.
 
+An offline solve (Mesa), whose kernels solve by conjugate gradients, takes per case CG's tolerance
+instead (lrdsl.offline.cg_tolerance: fp32 rounding times a bound on the case's condition number, plus
+CG's rate when the steps are fewer than K), never below 1e-4, for the forward and the gradients.
+
 With gradients on (the default of `run_fuzz` and `lrdsl fuzz`; `--no-grad` turns them off), the
 chunked kernels (the only differentiable ones: `recurrent` is forward-only) are also
 differentiated for loss = (o * do).sum() + (S * dS).sum(), with random do and dS drawn with
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 
 from . import ir
 from .errors import LrdslError
+from .offline import case_tolerance
 from .tensors import MixerState
 
 TOL = 1e-4
@@ -224,6 +229,7 @@ def check_grads(mixer, case: Case, device="cpu", tol: float = TOL) -> tuple:
     the message is "" when every gradient is within its tolerance."""
     x, opts = draw_inputs(mixer, case, "cpu")
     h0 = opts["initial_state"]
+    tol = case_tolerance(mixer, case, tol)  # offline solves: CG's, from the case's condition number
     do, dS = draw_upstream(case, "cpu")
     ref = _gradients(mixer.reference, x, h0, opts, do, dS, torch.float64, "cpu")
     got = _gradients(mixer.chunk, x, h0, opts, do, dS, torch.float32, device)
@@ -268,6 +274,7 @@ def check_case(mixer, case: Case, device="cpu", impls=None, tol: float = TOL, gr
     an exception becomes a failing Outcome with its message."""
     out = Outcome(case)
     impls = implementations(mixer) if impls is None else impls
+    tol = case_tolerance(mixer, case, tol)  # offline solves: CG's, from the case's condition number
     ref_o, ref_s = reference(mixer, case)
     for impl in impls:
         try:
@@ -517,6 +524,7 @@ def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | N
     if state["last"] is not None:  # Hypothesis replays the shrunk case last
         last = state["last"]
         failure = Failure(last.case, last.impl, last.message,
-                          snippet(mixer, last.case, last.impl, device, tol, last.grad_failed))
+                          snippet(mixer, last.case, last.impl, device, case_tolerance(mixer, last.case, tol),
+                                  last.grad_failed))
     return FuzzResult(mixer.name, device, impls, state["passed"], state["runs"], seconds, worst, failure, tol,
                       grad, worst_grad)

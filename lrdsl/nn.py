@@ -137,9 +137,6 @@ class Layer(nn.Module):
             spec = compile(spec)
         if not isinstance(spec, Mixer):
             raise InputError(f"lrdsl.nn.Layer takes a spec path or an lrdsl.Mixer, not {type(spec).__name__}")
-        if spec.ir.solve_lam is not None:
-            raise LrdslError(f"mixer '{spec.name}' reads its state through an offline solve, for which lrdsl "
-                             "generates no kernels yet, so it cannot run inside a layer")
         self.mixer = spec
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -289,6 +286,10 @@ class Layer(nn.Module):
             raise LrdslError(f"mixer '{ir.name}' has auxiliary states ({', '.join(a.name for a in ir.aux)}), "
                              "which the mixers cannot take in or hand out yet, so decoding would restart them "
                              "at zero; run the layer over whole sequences (no cache)")
+        if (use_cache or cache is not None) and ir.solve_lam is not None:
+            raise LrdslError(f"mixer '{ir.name}' reads its state through an offline solve, whose Gram state the "
+                             "layer's Cache does not carry yet; run the layer over whole sequences (no cache), "
+                             "or decode with mixer.step and a lrdsl.MixerState")
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.int32)
         raw, convs = {}, []

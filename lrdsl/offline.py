@@ -6,6 +6,8 @@ callers see lrdsl.MixerState(S, {"G": G, aux name: tensor, ...}).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import InputError
@@ -156,3 +158,48 @@ class ChunkFunction(torch.autograd.Function):
         dS0 = dS0.to(S0.dtype) if S0 is not None and ctx.needs_input_grad[4] else None
         dG0 = dG0.to(G0.dtype) if G0 is not None and ctx.needs_input_grad[5] else None
         return (None, None, None, None, dS0, dG0, *grads)
+
+
+# ---- tolerances ------------------------------------------------------------------------------
+FP32_EPS = 2.0 ** -24
+
+
+def cg_tolerance(steps: int, K: int, kappa: float, tol: float) -> float:
+    """The relative error the kernels' solve may show against the exact one, for a condition number
+    kappa of G_t + diag(lam_t): CG reaches the solution within K steps in exact arithmetic, and fp32
+    rounding costs about K eps kappa (a forward error of kappa times a backward error of K eps);
+    with fewer steps than K, CG's rate adds ||x_n - x|| / ||x|| <= 2 sqrt(kappa) (1 + kappa) rho^n,
+    rho = (sqrt(kappa) - 1) / (sqrt(kappa) + 1) (the A-norm bound, ||x_0|| <= kappa ||x|| for the
+    Jacobi start). Never below tol."""
+    extra = K * FP32_EPS * kappa
+    if steps < K:
+        root = math.sqrt(kappa)
+        extra += 2 * root * (1 + kappa) * ((root - 1) / (root + 1)) ** steps
+    return max(tol, extra)
+
+
+def kappa_bound(m, batch) -> float:
+    """An upper bound on the condition number of G_t + diag(lam_t) over a batch's tokens: G_t is
+    positive semi-definite (the checker's proof), so lambda_min >= min lam; decays are at most 1, so
+    ||G_t|| <= ||G_0|| + sum_j |u_j| |k_j| over the tokens before t (here: over the whole batch row)."""
+    from .autograd import token_vectors
+    vec = token_vectors(m, batch, torch.float64)
+    lam = vec["lam"]
+    writes = (vec["u"].norm(dim=-1) * vec["kk"].norm(dim=-1)).sum(1).max().item()
+    g0 = 0.0 if batch.initial_gram is None else torch.linalg.matrix_norm(batch.initial_gram.double(), 2).max().item()
+    lo = lam.min().item() if lam.numel() else 1.0
+    if not lo > 0:
+        return math.inf
+    return (g0 + writes + lam.max().item()) / lo
+
+
+def case_tolerance(mixer, case, tol: float) -> float:
+    """lrdsl fuzz's tolerance for a case: tol, or for an offline solve cg_tolerance with the case's
+    own condition-number bound."""
+    if mixer.ir.solve_lam is None:
+        return tol
+    from .fuzz import draw_inputs
+    x, opts = draw_inputs(mixer, case, "cpu")
+    batch = mixer._validate(x["q"], x["k"], x["v"], {n: t for n, t in x.items() if n not in ("q", "k", "v")},
+                            opts["scale"], None, False, opts["cu_seqlens"])
+    return cg_tolerance(mixer.ir.solve_steps, case.K, kappa_bound(mixer.ir, batch), tol)

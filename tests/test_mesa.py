@@ -275,3 +275,90 @@ def test_few_steps_stay_within_the_cg_bound(compiled, small_chunks):
             misses.append((t, float(err), float(bound)))
     assert not misses, misses
     assert slack > 1e-3  # the bound is not vacuous here: three steps leave a visible error
+
+
+def _kappas(mixer, x):
+    """The true condition number of G_t + diag(lam_t) at every token (float64, one head)."""
+    from lrdsl.autograd import token_vectors
+    from lrdsl.tensors import validate
+    b = validate(mixer.ir, x["q"], x["k"], x["v"], {n: t for n, t in x.items() if n not in ("q", "k", "v")})
+    vec = token_vectors(mixer.ir, b, torch.float64)
+    d = torch.exp(vec["gl"]) if "gl" in vec else torch.ones(vec["u"].shape[:3], dtype=torch.float64)
+    G, out = torch.zeros(vec["u"].shape[-1], vec["u"].shape[-1], dtype=torch.float64), []
+    for t in range(vec["u"].shape[1]):
+        G = d[0, t, 0] * G + torch.outer(vec["u"][0, t, 0], vec["kk"][0, t, 0])
+        ev = torch.linalg.eigvalsh(G + torch.diag(vec["lam"][0, t, 0]))
+        out.append((ev[-1] / ev[0]).item())
+    return out
+
+
+def test_check_bounds_cg_from_the_declared_ranges():
+    """The "cg" fact: unbounded where lamb may reach 0 (mesa.lr), a condition-number bound that
+    holds on admissible inputs where lam and the Gram state's growth are bounded."""
+    mesa = lrdsl.compile(SPEC, load_kernels=False).check()["cg"]
+    assert mesa["steps"] == 30 and not mesa["bounded"] and "reaches down to 0" in mesa["argument"]
+    text = ("mixer m\ninput q[K] l2norm, k[K] l2norm, v[V], beta in (0, 1), lamb[K] in (0.5, 2)\n"
+            "S = 0.9 S + (beta*k) v^T\no = S^T (G + diag(lamb))^-1 q\nsolve offline steps 7\n")
+    mixer = lrdsl.compile(text=text, load_kernels=False)
+    cg = mixer.check()["cg"]
+    assert cg["bounded"] and abs(cg["kappa"] - (1 / (1 - 0.9) + 2) / 0.5) < 1e-9
+    rho = (cg["kappa"] ** 0.5 - 1) / (cg["kappa"] ** 0.5 + 1)
+    assert abs(cg["error_bound"] - 2 * rho ** 7) < 1e-12
+    gen = torch.Generator().manual_seed(12)
+    x = {"q": torch.randn(1, 200, 1, 6, generator=gen, dtype=torch.float64),
+         "k": torch.randn(1, 200, 1, 6, generator=gen, dtype=torch.float64),
+         "v": torch.randn(1, 200, 1, 2, generator=gen, dtype=torch.float64),
+         "beta": torch.rand(1, 200, 1, generator=gen, dtype=torch.float64),
+         "lamb": 0.5 + 1.5 * torch.rand(1, 200, 1, 6, generator=gen, dtype=torch.float64)}
+    assert max(_kappas(mixer, x)) <= cg["kappa"]  # random admissible inputs
+    x["k"] = torch.zeros(1, 200, 1, 6, dtype=torch.float64) + torch.eye(6, dtype=torch.float64)[0]
+    x["beta"] = 1 - 1e-6 * x["beta"]  # the worst case: one key direction, gains at the top, lam at its ends
+    x["lamb"] = 0.5 + 1.5 * torch.eye(6, dtype=torch.float64)[0].expand(1, 200, 1, 6)
+    assert cg["kappa"] * 0.99 < max(_kappas(mixer, x)) <= cg["kappa"]  # the bound is reached
+    diag = lrdsl.compile(text=SPEC.read_text().replace("decay scalar g", "decay diagonal g") + "allow unstable\n",
+                         load_kernels=False).check()
+    assert diag["solve_well_posed"] is False and diag["cg"]["argument"] == "not symmetric"
+
+
+def test_fuzz_covers_offline_solves_with_cgs_tolerance(compiled):
+    """lrdsl fuzz runs recurrent, chunk and the chunk gradients of offline solves; each case's
+    tolerance is CG's (cg_tolerance) from a condition-number bound of that case (kappa_bound),
+    which is at least the true condition number."""
+    from lrdsl.fuzz import Case, draw_inputs, run_fuzz
+    from lrdsl.offline import cg_tolerance, kappa_bound
+    assert cg_tolerance(30, 16, 100.0, 1e-4) == 1e-4  # steps >= K: rounding only, 16 eps 100 < 1e-4
+    assert cg_tolerance(30, 16, 1e5, 1e-4) == pytest.approx(16 * 2 ** -24 * 1e5)
+    assert cg_tolerance(3, 16, 100.0, 1e-4) > 0.1  # 3 steps of 16: CG's rate dominates
+    mixer = compiled(RETENTION)
+    case = Case(B=1, T=30, H=1, HV=1, K=16, V=16, seed=13)
+    x, _ = draw_inputs(mixer, case)
+    x = {n: t.double() for n, t in x.items()}
+    from lrdsl.tensors import validate
+    batch = validate(mixer.ir, x["q"], x["k"], x["v"], {n: t for n, t in x.items() if n not in ("q", "k", "v")})
+    assert max(_kappas(mixer, x)) <= kappa_bound(mixer.ir, batch)
+    result = run_fuzz(compiled(SPEC), examples=2, device="cpu", seed=3)
+    assert result.ok and result.grad and set(result.impls) == {"recurrent", "chunk"}, result.summary()
+
+
+def test_a_layer_trains_through_the_offline_solve(compiled, small_chunks):
+    """lrdsl.nn.Layer over mesa_retention: a forward and backward pass reach every parameter and
+    the gradients match those through the float64 reference; a cache is refused clearly."""
+    from lrdsl.nn import Layer
+    torch.manual_seed(14)
+    layer = Layer(small_chunks(compiled(RETENTION)), hidden_size=32, num_heads=2, head_dim=16)
+    x = torch.randn(2, 20, 32)
+    out, _ = layer(x)
+    out.pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    layer.zero_grad()
+    layer.mixer.chunk = layer.mixer.reference  # the same layer through the exact float64-capable loop
+    try:
+        ref, _ = layer(x)
+        ref.pow(2).mean().backward()
+    finally:
+        del layer.mixer.chunk  # the method again
+    assert rms_ratio(out, ref) < 1e-4
+    assert all(rms_ratio(grads[n], p.grad) < 1e-3 for n, p in layer.named_parameters())
+    with pytest.raises(lrdsl.LrdslError, match="Cache does not carry"):
+        layer(x, use_cache=True)
