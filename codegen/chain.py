@@ -24,9 +24,9 @@ from .texpr import code, var
 @dataclass(frozen=True)
 class InputGrad:
     """The terms of one input's gradient (in the order of the inputs, as the plan's loads)."""
-    k_terms: tuple  # (vector, derivative text): u, c, r (key channels)
+    k_terms: tuple  # (vector, derivative text): u, c, r and a per-channel log-decay gl (key channels)
     v_terms: tuple  # (vector, derivative text): z (value channels)
-    g_term: str  # derivative of the log-decay ("" where it does not depend on this input)
+    g_term: str  # derivative of a scalar log-decay ("" where it does not depend on this input)
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,8 @@ def chain(m: ir.Mixer) -> Chain | None:
     kv = {"u": m.write.key, "r": m.query}
     if m.delta is not None:
         kv["c"] = m.delta.c
+    if m.decay.kind == "diagonal":  # a key-channel vector like the others
+        kv["gl"] = m.log_decay()
     kv = {n: _inline(m, e) for n, e in kv.items()}
     z = _inline(m, m.write.value)
     gl = _inline(m, m.log_decay()) if m.decay.kind == "scalar" else None
@@ -75,7 +77,7 @@ def chain(m: ir.Mixer) -> Chain | None:
     try:
         k_temps, k_texts = _lower(k_exprs, "cse_k", set(m.kinds()))
         v_temps, v_texts = _lower(v_exprs, "cse_v", set(m.kinds()))
-        raw_gl = code(gl) if gl is not None else ""
+        raw_gl = code(gl) if gl is not None else code(kv["gl"]) if "gl" in kv else ""
     except TypeError:  # a derivative texpr has no lowering for: the PyTorch chain rule stays
         return None
     k_texts, v_texts = iter(k_texts), iter(v_texts)

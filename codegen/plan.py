@@ -139,7 +139,7 @@ def plan(m: ir.Mixer) -> Plan:
         staged=not not_staged,
         staged_reason=not_staged,
         staged_backward=not not_staged,
-        chain=chain(m) if not not_staged and m.decay.kind != "diagonal" else None,
+        chain=chain(m) if not not_staged else None,
     )
 
 
