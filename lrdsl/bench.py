@@ -95,6 +95,11 @@ TWINS["mesa"] = ("mesa_net.chunk_mesa_net", lambda x: dict(
 TWINS["channel_gates_scalar_decay"] = ("gdn2.chunk_gdn2", lambda x: dict(
     q=x["q"], k=x["k"], v=x["v"], g=x["g"][..., None].expand_as(x["k"]).contiguous().float(), b=x["b"], w=x["w"],
     use_qk_l2norm_in_kernel=True))
+# FLA's gates from params: FLA's layer computes g and beta in PyTorch before its op, so they are
+# inside the timed call here; lrdsl evaluates them inside its kernels
+TWINS["gated_deltanet_gates"] = ("gated_delta_rule.chunk_gated_delta_rule", lambda x: dict(
+    q=x["q"], k=x["k"], v=x["v"], g=-x["A_log"].exp() * F.softplus(x["a"].float() + x["dt_bias"]),
+    beta=torch.sigmoid(x["b"]), use_qk_l2norm_in_kernel=True))
 TWINS["gdn2_atk"] = TWINS["gdn2"]
 TWINS["kda_decay_after_erase"] = TWINS["kda"]
 TWINS["mesa_retention"] = TWINS["mesa"]  # FLA's gated Mesa (fresh g), lamb from lamb_raw
