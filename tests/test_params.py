@@ -354,3 +354,18 @@ def test_init_draws_what_it_says():
     assert 0.001 * (1 - 1e-5) <= dt.min() and dt.max() <= 0.1 * (1 + 1e-5)
     assert abs(dt.log().mean().item() - (math.log(0.001) + math.log(0.1)) / 2) < 0.05  # log-uniform
     assert torch.equal(sample(("number", 0.5), (3,)), torch.full((3,), 0.5))
+
+
+def test_params_with_the_offline_solve():
+    """A Mesa spec whose decay reads a param: forward and gradients (the param's too)."""
+    mixer = lrdsl.compile(text="""mixer mesa_gates
+input a, beta in (0, 1)
+param A_log
+let g = -exp(A_log) * softplus(a)
+decay scalar g
+gain scalar beta
+solve offline lamb
+normalize q, k
+""")
+    errors, failures = compare(mixer, Case(B=1, T=9, H=1, HV=2, K=16, V=16, seed=3), seed=4)
+    assert not failures and "dA_log" in errors, describe(errors)
