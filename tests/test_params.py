@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 import lrdsl
 from lrdsl import printer
@@ -22,7 +24,7 @@ from lrdsl.errors import InputError, SpecError
 from lrdsl.frontend import spec_to_ir
 from lrdsl.fuzz import Case, draw_inputs, rms_ratio
 from lrdsl.params import sample
-from test_backward import ROOT, TOL_GATE, TOL_QKV, compare, describe
+from test_backward import ROOT, TOL_QKV, compare, describe, grad_cases
 
 GATES = ROOT / "examples" / "gated_deltanet_gates.lr"
 SPECS = {
@@ -369,3 +371,40 @@ normalize q, k
 """)
     errors, failures = compare(mixer, Case(B=1, T=9, H=1, HV=2, K=16, V=16, seed=3), seed=4)
     assert not failures and "dA_log" in errors, describe(errors)
+
+
+# ---- random placements -----------------------------------------------------------------------------
+@st.composite
+def param_specs(draw):
+    """A param in any place a gate can read one: the decay (per head, or per key channel through a
+    [K] param), the erase gain, the write key and the query, with or without a declared range."""
+    decay = draw(st.sampled_from(["none", "scalar", "diagonal"]))
+    erase, write, query = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    after = erase and decay == "diagonal" and draw(st.booleans())
+    inputs, params, lets = ["a"] if decay != "none" else [], [], []
+    inputs += ["b"] if erase else []
+    if decay != "none":
+        params += ["A_log", "dt_bias[K]" if decay == "diagonal" else "dt_bias"]
+        lets.append("let g = -exp(A_log) * softplus(a + dt_bias)")
+    params += ["c in (-2, 2)"] if erase else []
+    params += ["w[K] in [0, 1] init 0.5"] if write else []
+    params += ["s"] if query else []
+    beta = "sigmoid(b + c)" if erase else "1"
+    key = "(w*k)" if write else "k"
+    d = {"none": "", "scalar": "exp(g) ", "diagonal": "diag(exp(g)) "}[decay]
+    trans = (f"{d}(I - {beta} k k^T) " if after else f"(I - {beta} k k^T) {d}") if erase else d
+    lines = ["mixer random_params", ", ".join(["input q[K] l2norm, k[K] l2norm, v[V]", *inputs])]
+    lines += ["param " + ", ".join(params)] if params else []
+    lines += lets + [f"S = {trans}S + {beta} {key} v^T", f"o = S^T {'(s*q)' if query else 'q'}"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, database=None, derandomize=True,
+          phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+@given(text=param_specs(), drawn=grad_cases())
+def test_random_param_placements_match_the_reference(text, drawn):
+    case, _ = drawn
+    mixer = lrdsl.compile(text=text, check_ranges=False)
+    errors, failures = compare(mixer, case, seed=case.seed % 1000)
+    assert not failures, f"{describe(failures)}\nspec:\n{text}case: {case}"
