@@ -28,6 +28,9 @@ class SolvePlan:
     recurrent_bv: int = 64  # value tile of the decode kernel (each tile repeats the K x K solve)
     recurrent_warps: int = 4
     chunk_warps: int = 4
+    # tl.dot precision of the CG products on the GPU (the interpreter computes fp32 exactly): tf32
+    # keeps about 1e-3 of each product, which bounds how far CG gets; "tf32x3" or "ieee" cost more
+    cg_precision: str = "tf32"
 
     @property
     def decays(self) -> bool:

@@ -41,7 +41,7 @@ def axis_specs(draw):
 
 
 def kernel_examples():
-    """examples/*.lr that lrdsl generates kernels for (the offline solve has a reference only)."""
+    """examples/*.lr of the general kernels (the offline solve's have their own: tests/test_mesa.py)."""
     from pathlib import Path
 
     from lrdsl.frontend import spec_to_ir

@@ -362,3 +362,23 @@ def test_a_layer_trains_through_the_offline_solve(compiled, small_chunks):
     assert all(rms_ratio(grads[n], p.grad) < 1e-3 for n, p in layer.named_parameters())
     with pytest.raises(lrdsl.LrdslError, match="Cache does not carry"):
         layer(x, use_cache=True)
+
+
+def test_a_learned_regulariser_param_like_flas(compiled):
+    """lamb as a learned param [HV, K] (FLA's layout: one per head and key channel) in range
+    (0.25, 4): chunk, recurrent and the param's gradient against the float64 reference."""
+    text = ("mixer mesa_param\ninput q[K] l2norm, k[K] l2norm, v[V], g log, beta in (0, 1)\n"
+            "param lamb[K] in (0.25, 4) init 1\nS = exp(g) S + (beta*k) v^T\no = S^T (G + diag(lamb))^-1 q\n")
+    mixer = lrdsl.compile(text=text)
+    x = draw(B=1, T=20, H=1, HV=2, K=16, V=8, seed=15)
+    x["lamb"] = 0.3 + torch.rand(2, 16, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    x64 = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ref, _ = mixer.reference(**x64)
+    ref.pow(2).sum().backward()
+    xf = {n: t.float().requires_grad_() for n, t in x.items()}
+    o, _ = mixer.chunk(**xf)
+    o.pow(2).sum().backward()
+    with torch.no_grad():
+        o_rec, _ = mixer.recurrent(**_f32(x))
+    assert rms_ratio(o, ref) < 1e-4 and rms_ratio(o_rec, ref) < 1e-4
+    assert all(rms_ratio(xf[n].grad, x64[n].grad) < 1e-4 for n in x)
