@@ -14,22 +14,23 @@ class Mixer:
     """A compiled spec. `reference` is the exact token loop; `check` the eigenvalue facts."""
 
     def __init__(self, mixer_ir: ir.Mixer, source: str = "", filename: str = "<spec>",
-                 keep_intermediates: bool = False, check_ranges: bool = False):
+                 keep_intermediates: bool = False, check_ranges: bool | None = None):
         self.ir = mixer_ir
         # the chunked backward recomputes the forward's intermediates unless asked to keep them
         self.keep_intermediates = keep_intermediates
-        # inputs outside their declared ranges are clamped into them on every path; with
-        # check_ranges every call also asserts they are inside (device-side on a GPU)
+        # inputs outside their declared ranges are clamped into them on every path; a call also
+        # asserts they are inside (device-side on a GPU) where check_ranges is True, in the
+        # reference only where it is None (the default), nowhere where it is False
         self.check_ranges = check_ranges
         self._kernels = None
         self._op = None
         self.source = source
         self.filename = filename
 
-    def _validate(self, *args):
-        """validate(...) for this mixer, and the range assertion when it was asked for."""
+    def _validate(self, *args, reference: bool = False):
+        """validate(...) for this mixer, and the range assertion where it is on."""
         batch = validate(self.ir, *args)
-        if self.check_ranges:
+        if self.check_ranges or (self.check_ranges is None and reference):
             assert_in_ranges(self.ir, batch)
         return batch
 
@@ -238,18 +239,21 @@ class Mixer:
                   cu_seqlens=None, **inputs):
         """o [B, T, HV, V] and the final state [N, HV, K, V] (None unless output_final_state)."""
         from .reference import scan
-        batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
+                               reference=True)
         return scan(self.ir, batch)
 
 
 def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None = None,
             check_stability: bool = True, keep_intermediates: bool = False,
-            load_kernels: bool = True, check_ranges: bool = False) -> Mixer:
+            load_kernels: bool = True, check_ranges: bool | None = None) -> Mixer:
     """Parse, lower and check a spec, then generate and load its kernels (when triton is
     installed). Raises SpecError (with line and column) for any mistake in the spec.
 
-    Inputs outside their declared ranges are clamped into them, the same on every path;
-    check_ranges=True also asserts on every call that they are inside (device-side on a GPU).
+    Inputs outside their declared ranges are clamped into them, the same on every path. Each
+    call of `reference` also asserts that they are inside (an InputError on a CPU, a device-side
+    assert with no host synchronisation on a GPU); check_ranges=True asserts it on every path
+    (kernels included), check_ranges=False on none.
 
     Loading here, not at the first call, keeps code generation out of torch.compile's tracing."""
     if (path is None) == (text is None):

@@ -485,6 +485,9 @@ def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | N
         raise LrdslError(f"the number of examples must be at least 1, got {examples}")
     impls = implementations(mixer)
     st_cases = strategy if strategy is not None else cases()
+    # every path asserts that the drawn inputs lie in their declared ranges (what is drawn
+    # outside them would test the clamp, not the mixer)
+    mixer.check_ranges, ranges_before = True, mixer.check_ranges
     state = {"runs": 0, "passed": 0, "last": None}
     worst = {i: (0.0, 0.0) for i in impls}
     grad = bool(grad and "chunk" in impls)
@@ -519,6 +522,8 @@ def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | N
     except Exception:
         if state["last"] is None:
             raise
+    finally:
+        mixer.check_ranges = ranges_before
     seconds = time.perf_counter() - start
     failure = None
     if state["last"] is not None:  # Hypothesis replays the shrunk case last

@@ -38,8 +38,11 @@ def test_strong_decay_at_one_token(name, value, compiled):
 @pytest.mark.parametrize("name", ["gated_deltanet", "gdn2", "precond_deltanet"])
 def test_out_of_range_inputs_are_clamped_the_same_on_every_path(name, compiled):
     """A value outside its declared range (g > 0 for a `log` input, beta > 1 for beta in (0, 1))
-    is clamped into the range by the reference, the recurrent and the chunked kernels alike."""
-    mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    is clamped into the range by the reference, the recurrent and the chunked kernels alike (with
+    the reference's range assertion off: it is on by default)."""
+    from lrdsl.errors import InputError
+    path = next(p for p in EXAMPLES if p.stem == name)
+    mixer = compiled(path, check_ranges=False)
     case = Case(B=1, T=70, H=1, HV=2, K=16, V=16, initial_state=True, seed=6)
     x, opts = draw_inputs(mixer, case, DEVICE)
     wild, clamped = dict(x), dict(x)
@@ -49,6 +52,8 @@ def test_out_of_range_inputs_are_clamped_the_same_on_every_path(name, compiled):
             t.view(-1)[::7] = 0.5 if i.log else 1.3  # every 7th value out of range
             wild[i.name] = t
             clamped[i.name] = t.clamp(max=0.0) if i.log else t.clamp(0.0, 1.0)
+    with pytest.raises(InputError, match="outside its declared range"):
+        compiled(path).reference(**wild, **opts)
     ref_wild = mixer.reference(**wild, **opts)
     ref_clamped = mixer.reference(**clamped, **opts)
     assert torch.equal(ref_wild[0], ref_clamped[0])
@@ -73,3 +78,10 @@ def test_check_ranges_refuses_out_of_range_inputs():
         for path_name in ("reference", "chunk", "recurrent"):
             with pytest.raises(InputError, match="beta"):
                 getattr(strict, path_name)(**x, **opts)
+        # by default only the reference asserts; check_ranges=False: nothing does
+        default, off = lrdsl.compile(path), lrdsl.compile(path, check_ranges=False)
+        with pytest.raises(InputError, match="beta"):
+            default.reference(**x, **opts)
+        for mixer, paths in ((default, ("chunk", "recurrent")), (off, ("reference", "chunk", "recurrent"))):
+            for path_name in paths:
+                assert torch.isfinite(getattr(mixer, path_name)(**x, **opts)[0]).all()
