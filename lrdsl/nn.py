@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import InputError, LrdslError
+from .tensors import MixerState
 
 CONVOLVED = ("q", "k", "v")
 
@@ -43,12 +44,13 @@ CONVOLVED = ("q", "k", "v")
 class Cache:
     """What a Layer needs to go on from where a sequence stopped.
 
-    state: the mixer's recurrent state, float32 [N, num_v_heads, head_dim, head_v_dim];
+    state: the mixer's recurrent state, float32 [N, num_v_heads, head_dim, head_v_dim], or for a
+    mixer with auxiliary states an lrdsl.MixerState holding it and every auxiliary state;
     conv: the short convolutions' last (conv_size - 1) inputs per sequence, one [N, C, conv_size - 1]
     tensor each for q, k and v (C: their projection widths); () without short convolutions.
     N is the batch (the number of sequences with cu_seqlens). Decoding without gradients updates
     these tensors in place and returns the same Cache; always go on with the Cache a call returns."""
-    state: torch.Tensor
+    state: torch.Tensor | MixerState
     conv: tuple = ()
 
 
@@ -214,7 +216,7 @@ class Layer(nn.Module):
         """A Cache for batch_size sequences that have seen no token yet (zero states)."""
         device = self.o_proj.weight.device if device is None else device
         N = _positive_int("batch_size", batch_size)
-        state = torch.zeros(N, self.num_v_heads, self.head_dim, self.head_v_dim, device=device)
+        state = self.mixer.zero_state(N, self.num_v_heads, self.head_dim, self.head_v_dim, device=device)
         conv = tuple(torch.zeros(N, getattr(self, f"{n}_conv").weight.shape[0], self.conv_size - 1, device=device)
                      for n in CONVOLVED) if self.conv_size else ()
         return Cache(state, conv)
@@ -260,9 +262,16 @@ class Layer(nn.Module):
         if not isinstance(cache, Cache):
             raise InputError(f"cache must be an lrdsl.nn.Cache (returned by the layer or by layer.new_cache), "
                              f"not {type(cache).__name__}")
+        whole = bool(self.mixer.ir.aux) or self.mixer.ir.solve_lam is not None  # a MixerState
+        if isinstance(cache.state, MixerState) != whole:
+            raise InputError("the cache's state is " + ("an lrdsl.MixerState" if isinstance(cache.state, MixerState)
+                             else "a plain tensor") + f" but mixer '{self.mixer.name}' needs "
+                             + ("its whole state (an lrdsl.MixerState)" if whole else "a tensor")
+                             + ": start from layer.new_cache(batch_size) or a cache this layer returned")
+        S = cache.state.S if isinstance(cache.state, MixerState) else cache.state
         want = (N, self.num_v_heads, self.head_dim, self.head_v_dim)
-        if tuple(cache.state.shape) != want:
-            raise InputError(f"the cache's state has shape {list(cache.state.shape)} but this layer and batch "
+        if tuple(S.shape) != want:
+            raise InputError(f"the cache's state has shape {list(S.shape)} but this layer and batch "
                              f"need [N, num_v_heads, head_dim, head_v_dim] = {list(want)}: is it another "
                              "layer's cache, or another batch's?")
         if len(cache.conv) != (3 if self.conv_size else 0) or any(
@@ -282,10 +291,6 @@ class Layer(nn.Module):
         cache in place; else through mixer.chunk from the cache's state (differentiable)."""
         N = self._check_call(x, cache, cu_seqlens)
         ir = self.mixer.ir
-        if (use_cache or cache is not None) and ir.aux:
-            raise LrdslError(f"mixer '{ir.name}' has auxiliary states ({', '.join(a.name for a in ir.aux)}), "
-                             "which the mixers cannot take in or hand out yet, so decoding would restart them "
-                             "at zero; run the layer over whole sequences (no cache)")
         if (use_cache or cache is not None) and ir.solve_lam is not None:
             raise LrdslError(f"mixer '{ir.name}' reads its state through an offline solve, whose Gram state the "
                              "layer's Cache does not carry yet; run the layer over whole sequences (no cache), "
@@ -308,6 +313,10 @@ class Layer(nn.Module):
         inputs.update({p.name: getattr(self, p.name) for p in ir.params})  # read inside the kernels
         decode_in_place = cache is not None and cu_seqlens is None and not (
             torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())))
+        if cache is not None and ir.aux and not decode_in_place and torch.is_grad_enabled():
+            raise LrdslError(f"mixer '{ir.name}' has auxiliary states ({', '.join(a.name for a in ir.aux)}), "
+                             "through which lrdsl does not differentiate yet: go on from a cache under "
+                             "torch.no_grad(), or run the layer over whole sequences to train")
         with torch.autocast(x.device.type, enabled=False):
             if decode_in_place:
                 o = self.mixer.step(q, k, v, cache.state, **inputs)
@@ -319,8 +328,11 @@ class Layer(nn.Module):
                 want_state = use_cache or cache is not None
                 o, ht = self.mixer.chunk(q, k, v, initial_state=h0, output_final_state=want_state,
                                          cu_seqlens=cu_seqlens, **inputs)
-                new_cache = (Cache(ht.float().contiguous(), tuple(c.contiguous() for c in convs))
-                             if want_state else None)
+                if isinstance(ht, MixerState):
+                    ht = MixerState(ht.S.float().contiguous(), {n: a.float().contiguous() for n, a in ht.aux.items()})
+                else:
+                    ht = ht.float().contiguous() if want_state else None
+                new_cache = Cache(ht, tuple(c.contiguous() for c in convs)) if want_state else None
         return self._output(x, o), new_cache
 
     def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,35 @@ def test_prefill_then_decode_equals_one_pass(compiled, name):
     assert err < 1e-5, f"{name}: prefill 13 + decode 1, 3, 7 tokens vs one pass: rms ratio {err:.3g}"
 
 
+@pytest.mark.parametrize("name", ["precond_deltanet", "gdn2_atk"])
+def test_prefill_then_decode_with_auxiliary_states(compiled, name):
+    """Mixers with auxiliary states (the ATK preconditioner's P): the Cache holds the whole state
+    (an lrdsl.MixerState), decoding updates all of it in place, and prefill + decode equals one
+    pass; a packed prefill decodes each sequence as if alone."""
+    L = layer(compiled, name)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 21, D, generator=gen)
+    with torch.no_grad():
+        whole, _ = L(x)
+        parts, cache = L(x[:, :11], use_cache=True)
+        assert isinstance(cache.state, lrdsl.MixerState) and cache.state.aux
+        aux_before = {n: t.clone() for n, t in cache.state.aux.items()}
+        outs = [parts]
+        for a, b in ((11, 12), (12, 21)):
+            y, cache = L(x[:, a:b], cache)
+            outs.append(y)
+        assert all(not torch.equal(aux_before[n], t) for n, t in cache.state.aux.items()), "aux not updated"
+        err = rms_ratio(torch.cat(outs, 1), whole)
+        assert err < 1e-5, f"{name}: prefill 11 + decode 1, 9 tokens vs one pass: rms ratio {err:.3g}"
+        packed = torch.cat([x[:1, :6], x[1:, :11]], 1)
+        y, cache = L(packed, use_cache=True, cu_seqlens=torch.tensor([0, 6, 17]))
+        y_next, _ = L(x[:, 11:13], cache)
+        for i, n in enumerate((6, 11)):
+            alone, c = L(x[i:i + 1, :n], use_cache=True)
+            assert rms_ratio(y[:, (0, 6)[i]:(6, 17)[i]], alone) < 1e-5, f"sequence {i} of the packed prefill"
+            assert rms_ratio(y_next[i:i + 1], L(x[i:i + 1, 11:13], c)[0]) < 1e-5, f"sequence {i} decoded"
+
+
 def test_packed_prefill_then_decode(compiled):
     """cu_seqlens: each packed sequence is its own (conv and recurrent state), and the cache it
     returns decodes each sequence as if it had been prefilled alone."""
@@ -175,9 +204,13 @@ def test_clear_errors(compiled):
             call()
         assert words in str(e.value), str(e.value)
         assert "\n" not in str(e.value)
-    precond = Layer(lrdsl.compile(spec("precond_deltanet"), load_kernels=False), D, H, K)
-    with pytest.raises(lrdsl.LrdslError, match="auxiliary states"):
-        precond(torch.randn(1, 3, D), use_cache=True)
+    precond = Layer(lrdsl.compile(spec("precond_deltanet")), D, H, K)
+    with torch.no_grad():
+        _, whole_cache = precond(torch.randn(1, 3, D), use_cache=True)
+    with pytest.raises(lrdsl.LrdslError, match="auxiliary states"):  # no gradient through P's initial value
+        precond(torch.randn(1, 3, D), whole_cache)
+    with pytest.raises(lrdsl.LrdslError, match="whole state"):
+        precond(torch.randn(1, 3, D), Cache(whole_cache.state.S, whole_cache.conv))
     assert isinstance(L.new_cache(2), Cache)
 
 
