@@ -92,8 +92,14 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     if module.HAS_CHAIN_RULE and "a" not in vgrads:  # the staged backward ran: its chain rule too
         g = module.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(names, needs)], dh0
-    # torch.func.vjp rather than torch.autograd.grad: it also runs inside the custom op, where
-    # the autograd dispatch key is switched off
+    return vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads), dh0
+
+
+def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads):
+    """The gradients of the inputs (None where not needed) from those of the per-token vectors,
+    through PyTorch on the expressions the reference evaluates (where no generated chain-rule
+    kernel runs). torch.func.vjp rather than torch.autograd.grad: it also runs inside the custom
+    op, where the autograd dispatch key is switched off."""
     wanted = [i for i, need in enumerate(needs) if need]
     present = sorted(vgrads)
 
@@ -114,8 +120,7 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
                 g = g.clone()  # the custom op's outputs may not alias one another
             storages.add(g.untyped_storage().data_ptr())
             found[i] = g
-    grads = found
-    return grads, dh0
+    return found
 
 
 class KeptChunkFunction(torch.autograd.Function):

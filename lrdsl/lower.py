@@ -20,7 +20,7 @@ from . import ir, primitives
 from .desugar import desugar
 from .errors import SpecError
 from .symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
-from .params import lower_params
+from .params import declared_range, lower_params
 from .syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Params, Readout, Spec, StateDecl, Transpose,
                      Update, Var)
 
@@ -486,12 +486,7 @@ def _input(lw: Lowerer, d) -> ir.Input:
             raise SpecError(f"'{d.name}' is a log-decay (<= 0); give either `log` or a range", d.range.span)
         hi, hi_open = sp.Integer(0), False
     if d.range is not None:
-        r = d.range
-        lo = -sp.oo if r.lo is None else sp.Rational(r.lo.numerator, r.lo.denominator)
-        hi = sp.oo if r.hi is None else sp.Rational(r.hi.numerator, r.hi.denominator)
-        lo_open, hi_open = r.lo_open or r.lo is None, r.hi_open or r.hi is None
-        if lo > hi or (lo == hi and (lo_open or hi_open)):
-            raise SpecError(f"the range of '{d.name}' is empty", r.span)
+        lo, hi, lo_open, hi_open = declared_range(d)
     if "l2norm" in attrs or "unit" in attrs:
         lo, hi, lo_open, hi_open = sp.Integer(-1), sp.Integer(1), False, False
     shared = "shared" in attrs or d.name in ("q", "k")

@@ -102,28 +102,6 @@ def chunk(mixer, batch):
     return o, (state_out(m, ST, GT, aux) if batch.output_final_state else None)
 
 
-def _vector_grads(m, batch, names, tensors, needs, vgrads):
-    """The chain rule from the per-token vectors' gradients to the inputs', through PyTorch on the
-    expressions the reference evaluates (the general chunked kernels do the same)."""
-    from .autograd import _batch_like, token_vectors
-    wanted = [i for i, need in enumerate(needs) if need]
-    present = sorted(vgrads)
-
-    def vectors(*xs):
-        live = list(tensors)
-        for i, x in zip(wanted, xs):
-            live[i] = x
-        vecs = token_vectors(m, _batch_like(batch, dict(zip(names, live))), torch.float32)
-        return tuple(vecs[k] for k in present)
-
-    found = [None] * len(tensors)
-    if wanted:
-        _, pullback = torch.func.vjp(vectors, *[tensors[i].detach() for i in wanted])
-        for i, g in zip(wanted, pullback(tuple(vgrads[k] for k in present))):
-            found[i] = g.to(tensors[i].dtype)
-    return found
-
-
 class ChunkFunction(torch.autograd.Function):
     """The chunked forward and backward of the offline solve (the forward keeps the solutions x and
     the chunk-start states for the backward)."""
@@ -153,7 +131,8 @@ class ChunkFunction(torch.autograd.Function):
         dht = (None if dST is None else dST.contiguous(), None if dGT is None else dGT.contiguous())
         vgrads, dS0, dG0 = ctx.mixer.kernels.chunk_bwd(inputs, batch.scale, ctx.state, do, dht, ctx.cu, ctx.saved)
         needs = ctx.needs_input_grad[6:]
-        grads = _vector_grads(m, batch, ctx.names, tensors, needs, vgrads)
+        from .autograd import vector_chain_rule
+        grads = vector_chain_rule(m, batch, ctx.names, tensors, needs, vgrads)
         S0, G0 = ctx.starts
         dS0 = dS0.to(S0.dtype) if S0 is not None and ctx.needs_input_grad[4] else None
         dG0 = dG0.to(G0.dtype) if G0 is not None and ctx.needs_input_grad[5] else None

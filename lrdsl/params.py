@@ -25,6 +25,18 @@ DEFAULT_INITS = {
 }
 
 
+def declared_range(d):
+    """(lo, hi, lo_open, hi_open) of a declaration's written range (an input's or a param's),
+    exact; SpecError at the range when it is empty."""
+    r = d.range
+    lo = -sp.oo if r.lo is None else sp.Rational(r.lo.numerator, r.lo.denominator)
+    hi = sp.oo if r.hi is None else sp.Rational(r.hi.numerator, r.hi.denominator)
+    lo_open, hi_open = r.lo_open or r.lo is None, r.hi_open or r.hi is None
+    if lo > hi or (lo == hi and (lo_open or hi_open)):
+        raise SpecError(f"the range of '{d.name}' is empty", r.span)
+    return lo, hi, lo_open, hi_open
+
+
 def lower_params(lw, st) -> list:
     """The ir.Param of each declaration of a `param` line, declared in the lowerer's names."""
     out = []
@@ -36,14 +48,7 @@ def lower_params(lw, st) -> list:
                 raise SpecError(f"a param is one number per head (`param {d.name}`) or one per head and key "
                                 f"channel (`param {d.name}[K]`), not one per [{kind}] channel", kspan)
         lw.declare(d.name, kind, d.span, "param name")
-        lo, hi, lo_open, hi_open = -sp.oo, sp.oo, True, True
-        if d.range is not None:
-            r = d.range
-            lo = -sp.oo if r.lo is None else sp.Rational(r.lo.numerator, r.lo.denominator)
-            hi = sp.oo if r.hi is None else sp.Rational(r.hi.numerator, r.hi.denominator)
-            lo_open, hi_open = r.lo_open or r.lo is None, r.hi_open or r.hi is None
-            if lo > hi or (lo == hi and (lo_open or hi_open)):
-                raise SpecError(f"the range of '{d.name}' is empty", r.span)
+        lo, hi, lo_open, hi_open = declared_range(d) if d.range is not None else (-sp.oo, sp.oo, True, True)
         init = d.init if d.init is not None else _default(d.name, lo, hi, lo_open, hi_open)
         a, b = _init_range(init, d)
         flo, fhi = float(lo), float(hi)  # sympy's Integer(0) == 0.0 is False: compare floats
