@@ -47,3 +47,12 @@ def kernel_examples():
     from lrdsl.frontend import spec_to_ir
     root = Path(__file__).resolve().parent.parent / "examples"
     return sorted(p for p in root.glob("*.lr") if spec_to_ir(p.read_text()).solve_lam is None)
+
+
+def default_first(case_ids, default):
+    """pytest params of a matrix of cases: `default` (the richest: packed sequences, grouped value
+    heads, an initial state) runs in `pytest -q`, the others under `-m slow`, which CI also runs,
+    so that every example meets every kernel in the default suite and every shape in CI."""
+    import pytest
+    assert default in case_ids
+    return [pytest.param(c, marks=() if c == default else pytest.mark.slow) for c in case_ids]

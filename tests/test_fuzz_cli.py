@@ -72,6 +72,7 @@ def test_draws_do_not_disturb_the_global_rng():
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.slow  # a whole `lrdsl fuzz` run in a subprocess (~13 s); the fuzz logic is tested in-process too
 def test_fuzz_command_passes_on_gated_deltanet(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "fuzz", str(GDN), "--examples", "5",
                            "--seed", "0", "--device", "cpu"],
