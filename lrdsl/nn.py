@@ -291,10 +291,6 @@ class Layer(nn.Module):
         cache in place; else through mixer.chunk from the cache's state (differentiable)."""
         N = self._check_call(x, cache, cu_seqlens)
         ir = self.mixer.ir
-        if (use_cache or cache is not None) and ir.solve_lam is not None:
-            raise LrdslError(f"mixer '{ir.name}' reads its state through an offline solve, whose Gram state the "
-                             "layer's Cache does not carry yet; run the layer over whole sequences (no cache), "
-                             "or decode with mixer.step and a lrdsl.MixerState")
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.int32)
         raw, convs = {}, []

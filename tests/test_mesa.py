@@ -342,7 +342,7 @@ def test_fuzz_covers_offline_solves_with_cgs_tolerance(compiled):
 
 def test_a_layer_trains_through_the_offline_solve(compiled, small_chunks):
     """lrdsl.nn.Layer over mesa_retention: a forward and backward pass reach every parameter and
-    the gradients match those through the float64 reference; a cache is refused clearly."""
+    the gradients match those through the float64 reference; its cache holds the whole state."""
     from lrdsl.nn import Layer
     torch.manual_seed(14)
     layer = Layer(small_chunks(compiled(RETENTION)), hidden_size=32, num_heads=2, head_dim=16)
@@ -360,8 +360,8 @@ def test_a_layer_trains_through_the_offline_solve(compiled, small_chunks):
         del layer.mixer.chunk  # the method again
     assert rms_ratio(out, ref) < 1e-4
     assert all(rms_ratio(grads[n], p.grad) < 1e-3 for n, p in layer.named_parameters())
-    with pytest.raises(lrdsl.LrdslError, match="Cache does not carry"):
-        layer(x, use_cache=True)
+    _, cache = layer(x, use_cache=True)  # the whole state: S and the Gram state (decoding: test_nn.py)
+    assert isinstance(cache.state, lrdsl.MixerState) and set(cache.state.aux) == {"G"}
 
 
 def test_a_learned_regulariser_param_like_flas(compiled):
