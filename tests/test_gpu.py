@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import lrdsl
+from lrdsl.params import sample
 from specgen import kernel_examples
 
 EXAMPLES = [str(p) for p in kernel_examples()]  # every example but the offline solve
@@ -42,9 +43,16 @@ def draw(mixer, B, T, H, HV, K, V, dtype, device, gen):
         elif i.lo != -float("inf") and i.hi != float("inf") and not (i.unit or i.l2norm):
             lo, hi = float(i.lo), float(i.hi)
             x = lo + (hi - lo) * torch.sigmoid(x)
+        elif i.lo != -float("inf") and i.hi == float("inf"):  # e.g. a regulariser lamb in (0, inf)
+            x = float(i.lo) + 0.25 + F.softplus(x)
+        elif i.hi != float("inf") and i.lo == -float("inf"):
+            x = float(i.hi) - 0.25 - F.softplus(x)
         elif i.unit and not i.l2norm:
             x = F.normalize(x, dim=-1)
         out[i.name] = x.to(dtype)
+    for p in mixer.ir.params:  # drawn by their init (as lrdsl.nn.Layer does), float32, one per head
+        shape = (HV,) if p.kind == "scalar" else (HV, K)
+        out[p.name] = sample(p.init, shape, torch.Generator().manual_seed(len(out))).to(device)
     return out
 
 
@@ -281,3 +289,44 @@ def test_prefill_then_decode_whole_state_gpu(name):
     e_s = state_error(state, ref_s)
     RESULTS.append((name, "prefill+step", e_o, e_s))
     assert e_o < 5e-3 and e_s < 5e-3, (e_o, e_s)
+
+
+OFFLINE = [str(p) for p in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "mesa*.lr")))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("path", OFFLINE, ids=lambda p: os.path.basename(p)[:-3])
+def test_offline_solve_bf16(path):
+    """The offline solve (Mesa) in bf16 against the exact float64 reference: chunk and recurrent
+    outputs and whole final states (S and G) from a whole initial state, and the chunk's gradients
+    of every input and of S0. K = 64 with the spec's CG steps (30, or 20 for mesa_retention)."""
+    B, T, H, K, V = 2, 1024, 4, 64, 64
+    mixer = lrdsl.compile(path)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    warm = mixer.reference(**{n: t[:, :64].double() for n, t in x.items()}, output_final_state=True)[1]
+    h0 = lrdsl.MixerState(warm.S.float(), {n: t.float() for n, t in warm.aux.items()})
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda")
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=warm,
+                                   output_final_state=True)
+    for which in ("chunk", "recurrent"):
+        with torch.no_grad():
+            o, s = getattr(mixer, which)(**x, initial_state=h0, output_final_state=True)
+        eo, es = rms_ratio(o, ref_o), state_error(s, ref_s)
+        RESULTS.append((mixer.name, which, eo, es))
+        assert eo < 1e-2 and es < 1e-2, (which, eo, es)
+
+    def grads(fn, dtype):
+        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+        S0 = (warm.S if dtype == torch.float64 else h0.S).clone().requires_grad_()
+        start = lrdsl.MixerState(S0, warm.aux if dtype == torch.float64 else h0.aux)
+        o, _ = fn(**leaves, initial_state=start)
+        (o.double() * do.double()).sum().backward()
+        return {**{n: t.grad for n, t in leaves.items()}, "h0": S0.grad}
+
+    ref, got = grads(mixer.reference, torch.float64), grads(mixer.chunk, torch.bfloat16)
+    errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
+    RESULTS.append((mixer.name, "chunk bwd", max(errs[n] for n in ("q", "k", "v")),
+                    max([errs[n] for n in errs if n not in ("q", "k", "v", "h0")] or [0.0])))
+    for n, e in errs.items():
+        assert e < 2e-2, (n, e)
