@@ -436,6 +436,7 @@ class FuzzResult:
     tol: float = TOL
     grad: bool = False  # chunk gradients were checked too
     worst_grad: dict = field(default_factory=dict)  # input name -> worst gradient ratio over passing runs
+    cg: bool = False  # an offline solve: each case's tolerance is also bounded below by CG's
 
     @property
     def ok(self) -> bool:
@@ -452,7 +453,8 @@ class FuzzResult:
         if self.ok:
             checked = ", ".join(self.impls) + (" and chunk gradients" if self.grad else "")
             return (f"fuzz {self.mixer}: {self.examples} examples passed on {self.device} "
-                    f"({checked} vs float64 reference, tolerance {self.tol:g}) in "
+                    f"({checked} vs float64 reference, tolerance {self.tol:g}"
+                    f"{' or CG bound of each case, whichever is larger' if self.cg else ''}) in "
                     f"{self.seconds:.1f}s; {worst}")
         return (f"fuzz {self.mixer}: FAILED on {self.device} after {self.examples} examples "
                 f"({self.runs} runs with shrinking): {self.failure.message}")
@@ -532,4 +534,4 @@ def run_fuzz(mixer, examples: int = 50, device: str | None = None, seed: int | N
                           snippet(mixer, last.case, last.impl, device, case_tolerance(mixer, last.case, tol),
                                   last.grad_failed))
     return FuzzResult(mixer.name, device, impls, state["passed"], state["runs"], seconds, worst, failure, tol,
-                      grad, worst_grad)
+                      grad, worst_grad, cg=mixer.ir.solve_lam is not None)

@@ -338,6 +338,7 @@ def test_fuzz_covers_offline_solves_with_cgs_tolerance(compiled):
     assert max(_kappas(mixer, x)) <= kappa_bound(mixer.ir, batch)
     result = run_fuzz(compiled(SPEC), examples=2, device="cpu", seed=3)
     assert result.ok and result.grad and set(result.impls) == {"recurrent", "chunk"}, result.summary()
+    assert "CG bound of each case" in result.summary()  # the tolerance it printed is the one it used
 
 
 def test_a_layer_trains_through_the_offline_solve(compiled, small_chunks):
