@@ -195,18 +195,20 @@ class Mixer:
         return self._chunk_tensors(batch, tensors)
 
     def _chunk_from_whole_state(self, batch, tensors):
-        """chunk from auxiliary initial states: for inference (prefill) only, so far."""
+        """chunk from auxiliary initial states: differentiable in every input, S0 and the auxiliary
+        initial states (not in the auxiliary final states)."""
         import torch
 
         from . import autograd
         names = list(self.ir.tensor_names)
-        inputs, h0, cu = autograd.host_args(names, tensors, batch.initial_state, batch.cu_seqlens)
-        aux0 = self._aux_in(batch)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
                                            [*tensors, batch.initial_state, *batch.initial_aux]):
-            raise InputError("chunk() with auxiliary initial states is forward-only so far (prefill): "
-                             "call it under torch.no_grad(), or train from zero auxiliary states "
-                             "(initial_state=S alone)")
+            o, ht, *finals = autograd.WholeStateChunkFunction.apply(
+                self.ir, self.kernels, batch, names, batch.initial_state, len(batch.initial_aux),
+                *tensors, *batch.initial_aux)
+            return (o, self._state_out(ht, finals)) if batch.output_final_state else (o, None)
+        inputs, h0, cu = autograd.host_args(names, tensors, batch.initial_state, batch.cu_seqlens)
+        aux0 = self._aux_in(batch)
         o, ht = self.kernels.chunk_fwd(inputs, batch.scale, h0, batch.output_final_state, cu, initial_aux=aux0)
         if not batch.output_final_state:
             return o, None

@@ -7,6 +7,8 @@ state. After the staged backward, a generated kernel applies the chain rule to t
 L2 norms) runs through PyTorch autograd on the same expressions the reference evaluates, so every
 expression a spec can write is differentiated the same way.
 """
+import dataclasses
+
 import torch
 
 from . import ir
@@ -41,10 +43,18 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
     shp = {"K": (b.B, b.T, b.HV, b.K), "V": (b.B, b.T, b.HV, b.V), "scalar": (b.B, b.T, b.HV, 1)}
     starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
     starts[[s for _, s, _ in b.sequences() if s < b.T]] = True
-    for a in m.aux:
+    firsts = [(bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s]
+    for j, a in enumerate(m.aux):
         alpha = _full(to_torch(a.decay)(env), shp[a.kind], dtype, dev)
         beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
-        # a sequence starts from zero: its first token forgets what came before
+        if b.initial_aux is not None:  # the first token of a sequence decays its initial state
+            init = b.initial_aux[j].to(dtype)
+            rows, cols, seqs = (torch.tensor(c, device=dev) for c in zip(*firsts)) if firsts else ([],) * 3
+            start = torch.zeros_like(beta)
+            if firsts:
+                start = start.index_put((rows, cols), alpha[rows, cols] * init[seqs])
+            beta = beta + start
+        # a sequence starts from its initial state (or zero), not from what came before
         alpha = alpha * (~starts).view(1, -1, 1, 1).to(dtype)
         env[a.name] = first_order_scan(alpha, beta)
     for lt in m.lets:
@@ -82,45 +92,89 @@ def _batch_like(batch: Batch, tensors: dict) -> Batch:
                  False, batch.cu_seqlens)
 
 
-def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved=None, residual=None):
+def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved=None, residual=None,
+                initial_aux=None):
     """Gradients of every input (None where not needed) and of h0, for the chunked kernels
-    (`residual`: what the forward kept for the backward, or None)."""
+    (`residual`: what the forward kept for the backward, or None). With initial_aux (the
+    auxiliary states the forward started from, fp32) also their gradients, as a third result."""
     inputs, h0, cu = host_args(names, tensors, h0, batch.cu_seqlens)
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
-    vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual)
+    vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual, initial_aux)
+    if initial_aux is not None:  # (specs with auxiliary states take the PyTorch chain rule)
+        grads, daux = vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux)
+        return grads, dh0, daux
     if module.HAS_CHAIN_RULE and "a" not in vgrads:  # the staged backward ran: its chain rule too
         g = module.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(names, needs)], dh0
     return vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads), dh0
 
 
-def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads):
+def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux=None):
     """The gradients of the inputs (None where not needed) from those of the per-token vectors,
     through PyTorch on the expressions the reference evaluates (where no generated chain-rule
-    kernel runs). torch.func.vjp rather than torch.autograd.grad: it also runs inside the custom
-    op, where the autograd dispatch key is switched off."""
+    kernel runs); with initial_aux (the auxiliary scans' initial states) also theirs, as
+    (input gradients, auxiliary ones). torch.func.vjp rather than torch.autograd.grad: it also runs
+    inside the custom op, where the autograd dispatch key is switched off."""
     wanted = [i for i, need in enumerate(needs) if need]
     present = sorted(vgrads)
+    n_aux = 0 if initial_aux is None else len(initial_aux)
 
     def vectors(*xs):
         live = list(tensors)
         for i, x in zip(wanted, xs):
             live[i] = x
-        vecs = token_vectors(mixer_ir, _batch_like(batch, dict(zip(names, live))), torch.float32)
+        b = _batch_like(batch, dict(zip(names, live)))
+        if n_aux:
+            b = dataclasses.replace(b, initial_aux=tuple(xs[len(wanted):]))
+        vecs = token_vectors(mixer_ir, b, torch.float32)
         return tuple(vecs[k] for k in present)
 
     found = [None] * len(tensors)
-    if wanted:
-        _, pullback = torch.func.vjp(vectors, *[tensors[i].detach() for i in wanted])
+    daux = []
+    if wanted or n_aux:
+        leaves = [tensors[i].detach() for i in wanted] + [a.detach() for a in (initial_aux or ())]
+        _, pullback = torch.func.vjp(vectors, *leaves)
+        pulled = pullback(tuple(vgrads[k] for k in present))
+        daux = list(pulled[len(wanted):])
         storages = set()
-        for i, g in zip(wanted, pullback(tuple(vgrads[k] for k in present))):
+        for i, g in zip(wanted, pulled[:len(wanted)]):
             g = g.to(tensors[i].dtype)
             if g.untyped_storage().data_ptr() in storages:  # a + dt_bias: one gradient for both, and
                 g = g.clone()  # the custom op's outputs may not alias one another
             storages.add(g.untyped_storage().data_ptr())
             found[i] = g
-    return found
+    return (found, daux) if initial_aux is not None else found
+
+
+class WholeStateChunkFunction(torch.autograd.Function):
+    """chunk from a whole initial state (S and the auxiliary states): gradients of every input, of
+    S0 and of the auxiliary initial states. The auxiliary final states carry no gradient."""
+
+    @staticmethod
+    def forward(ctx, mixer_ir, module, batch, names, h0, n_aux, *tensors_and_aux):
+        tensors, aux0 = list(tensors_and_aux[:-n_aux]), list(tensors_and_aux[-n_aux:])
+        inputs, h0c, cu = host_args(names, tensors, h0, batch.cu_seqlens)
+        aux0c = [a.to(torch.float32).contiguous() for a in aux0]
+        o, ht = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, initial_aux=aux0c)
+        finals = list(module.aux_final_states(inputs, cu, aux0c)) if batch.output_final_state else []
+        ctx.mark_non_differentiable(*finals)
+        ctx.save_for_backward(*tensors, *aux0c)
+        ctx.info = (mixer_ir, module, batch, names, h0c, None if h0 is None else h0.dtype,
+                    [a.dtype for a in aux0], n_aux)
+        ctx.set_materialize_grads(False)
+        return (o, ht, *finals)
+
+    @staticmethod
+    def backward(ctx, do, dht, *_dfinals):
+        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n_aux = ctx.info
+        saved = ctx.saved_tensors
+        tensors, aux0 = list(saved[:-n_aux]), list(saved[-n_aux:])
+        grads, dh0, daux = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht,
+                                       ctx.needs_input_grad[6:6 + len(tensors)], initial_aux=aux0)
+        dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[4] else None
+        daux = [g.to(d) if need else None for g, d, need in zip(daux, aux_dtypes, ctx.needs_input_grad[6 + len(tensors):])]
+        return (None, None, None, None, dh0, None, *grads, *daux)
 
 
 class KeptChunkFunction(torch.autograd.Function):

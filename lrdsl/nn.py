@@ -309,10 +309,6 @@ class Layer(nn.Module):
         inputs.update({p.name: getattr(self, p.name) for p in ir.params})  # read inside the kernels
         decode_in_place = cache is not None and cu_seqlens is None and not (
             torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values())))
-        if cache is not None and ir.aux and not decode_in_place and torch.is_grad_enabled():
-            raise LrdslError(f"mixer '{ir.name}' has auxiliary states ({', '.join(a.name for a in ir.aux)}), "
-                             "through which lrdsl does not differentiate yet: go on from a cache under "
-                             "torch.no_grad(), or run the layer over whole sequences to train")
         with torch.autocast(x.device.type, enabled=False):
             if decode_in_place:
                 o = self.mixer.step(q, k, v, cache.state, **inputs)

@@ -84,7 +84,8 @@ def step(mixer, q, k, v, state, scale, inputs):
 
 def chunk(mixer, batch):
     """mixer.chunk for an offline-solve mixer: (o, MixerState or None), differentiable in every
-    input and in the initial S and G (auxiliary initial states: forward only, as for other mixers)."""
+    input and in the initial S and G (not, so far, in the initial states of auxiliary scans, which
+    the other mixers differentiate through)."""
     m = mixer.ir
     inputs, cu = host_inputs(mixer, batch)
     names = list(inputs)

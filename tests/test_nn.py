@@ -207,8 +207,9 @@ def test_clear_errors(compiled):
     precond = Layer(lrdsl.compile(spec("precond_deltanet")), D, H, K)
     with torch.no_grad():
         _, whole_cache = precond(torch.randn(1, 3, D), use_cache=True)
-    with pytest.raises(lrdsl.LrdslError, match="auxiliary states"):  # no gradient through P's initial value
-        precond(torch.randn(1, 3, D), whole_cache)
+    y, _ = precond(torch.randn(1, 3, D), whole_cache)  # with gradients: through chunk from the whole state
+    y.sum().backward()
+    assert all(p.grad is not None for p in precond.parameters() if p.requires_grad)
     with pytest.raises(lrdsl.LrdslError, match="whole state"):
         precond(torch.randn(1, 3, D), Cache(whole_cache.state.S, whole_cache.conv))
     assert isinstance(L.new_cache(2), Cache)

@@ -9,6 +9,7 @@ import torch
 import lrdsl
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
 
+from test_backward import TOL_GATE, TOL_QKV
 from test_recurrent import DEVICE, EXAMPLES
 
 AUX_EXAMPLES = [p for p in EXAMPLES if lrdsl.compile(p, load_kernels=False).ir.aux]
@@ -90,9 +91,37 @@ def test_zero_state_and_clear_errors(compiled):
         with pytest.raises(lrdsl.InputError, match="no auxiliary states"):
             plain.chunk(**xg, initial_state=lrdsl.MixerState(zero.S, zero.aux))
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    with pytest.raises(lrdsl.InputError, match="forward-only"):
-        pre.chunk(**leaves, initial_state=zero)
     # from zero auxiliary states, training works as before and the final state is whole
     o, state = pre.chunk(**leaves, initial_state=zero.S, output_final_state=True)
     o.sum().backward()
     assert isinstance(state, lrdsl.MixerState) and all(t.grad is not None for t in leaves.values())
+
+
+@pytest.mark.parametrize("path", AUX_EXAMPLES, ids=lambda p: p.stem)
+def test_gradients_through_a_whole_initial_state(path, compiled):
+    """chunk from a whole initial state under autograd (packed sequences, one of them empty):
+    gradients of every input, of S0 and of every auxiliary initial state against the float64
+    reference's autograd; the final whole state too (its auxiliary parts carry no gradient)."""
+    mixer = compiled(path)
+    case = Case(B=1, T=40, H=2, HV=4, K=16, V=12, cu_seqlens=(0, 9, 9, 40), initial_state=True, seed=23)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    start = mixer.reference(**x, **opts)[1]  # a whole state reached by the recurrence itself
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(1, 40, 4, 12, generator=gen).to(DEVICE)
+    dS = torch.randn(3, 4, 16, 12, generator=gen).to(DEVICE)
+
+    def run(fn, dtype):
+        leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in x.items()}
+        S0 = start.S.detach().to(dtype).requires_grad_()
+        aux0 = {n: t.detach().to(dtype).requires_grad_() for n, t in start.aux.items()}
+        o, s = fn(**leaves, initial_state=lrdsl.MixerState(S0, aux0), output_final_state=True,
+                  scale=opts["scale"], cu_seqlens=opts["cu_seqlens"])
+        assert isinstance(s, lrdsl.MixerState)
+        ((o.double() * do.double()).sum() + (s.S.double() * dS.double()).sum()).backward()
+        return {**{n: t.grad for n, t in leaves.items()}, "S0": S0.grad, **{"aux0 " + n: t.grad for n, t in aux0.items()}}
+
+    ref, got = run(mixer.reference, torch.float64), run(mixer.chunk, torch.float32)
+    errors = {n: rms_ratio(got[n], ref[n]) for n in ref}
+    assert all(ref[n].abs().sum() > 0 for n in ref if n.startswith("aux0")), "the test would not see the aux gradient"
+    bad = {n: e for n, e in errors.items() if not e < (TOL_QKV if n in ("q", "k", "v", "S0") else TOL_GATE)}
+    assert not bad, errors
