@@ -197,22 +197,11 @@ class Mixer:
     def _chunk_from_whole_state(self, batch, tensors):
         """chunk from auxiliary initial states: differentiable in every input, S0 and the auxiliary
         initial states (not in the auxiliary final states)."""
-        import torch
-
         from . import autograd
-        names = list(self.ir.tensor_names)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
-                                           [*tensors, batch.initial_state, *batch.initial_aux]):
-            o, ht, *finals = autograd.WholeStateChunkFunction.apply(
-                self.ir, self.kernels, batch, names, batch.initial_state, len(batch.initial_aux),
-                *tensors, *batch.initial_aux)
-            return (o, self._state_out(ht, finals)) if batch.output_final_state else (o, None)
-        inputs, h0, cu = autograd.host_args(names, tensors, batch.initial_state, batch.cu_seqlens)
-        aux0 = self._aux_in(batch)
-        o, ht = self.kernels.chunk_fwd(inputs, batch.scale, h0, batch.output_final_state, cu, initial_aux=aux0)
-        if not batch.output_final_state:
-            return o, None
-        return o, self._state_out(ht, self.kernels.aux_final_states(inputs, cu, aux0))
+        o, ht, *finals = autograd.WholeStateChunkFunction.apply(
+            self.ir, self.kernels, batch, list(self.ir.tensor_names), batch.initial_state,
+            len(batch.initial_aux), *tensors, *batch.initial_aux)
+        return (o, self._state_out(ht, finals)) if batch.output_final_state else (o, None)
 
     def _chunk_tensors(self, batch, tensors):
         """The differentiable chunk (one custom op, or the kept-intermediates path)."""

@@ -43,17 +43,16 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
     shp = {"K": (b.B, b.T, b.HV, b.K), "V": (b.B, b.T, b.HV, b.V), "scalar": (b.B, b.T, b.HV, 1)}
     starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
     starts[[s for _, s, _ in b.sequences() if s < b.T]] = True
-    firsts = [(bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s]
+    # (batch row, token, sequence) of each non-empty sequence's first token, to start from initial_aux
+    firsts = [] if b.initial_aux is None else [
+        torch.tensor(c, device=dev) for c in zip(*((bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s))]
     for j, a in enumerate(m.aux):
         alpha = _full(to_torch(a.decay)(env), shp[a.kind], dtype, dev)
         beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
-        if b.initial_aux is not None:  # the first token of a sequence decays its initial state
-            init = b.initial_aux[j].to(dtype)
-            rows, cols, seqs = (torch.tensor(c, device=dev) for c in zip(*firsts)) if firsts else ([],) * 3
-            start = torch.zeros_like(beta)
-            if firsts:
-                start = start.index_put((rows, cols), alpha[rows, cols] * init[seqs])
-            beta = beta + start
+        if firsts:  # the first token of a sequence decays its initial state
+            rows, cols, seqs = firsts
+            beta = beta.index_put((rows, cols), alpha[rows, cols] * b.initial_aux[j].to(dtype)[seqs],
+                                  accumulate=True)
         # a sequence starts from its initial state (or zero), not from what came before
         alpha = alpha * (~starts).view(1, -1, 1, 1).to(dtype)
         env[a.name] = first_order_scan(alpha, beta)
