@@ -214,7 +214,11 @@ def assert_in_ranges(mixer: ir.Mixer, b: Batch) -> None:
             ok &= ~(x < float(i.lo))
         if i.hi.is_finite:
             ok &= ~(x > float(i.hi))
-        what = f"{'param' if isinstance(i, ir.Param) else 'input'} {i.name!r} has values outside its declared range [{i.lo}, {i.hi}]"
+        lo = f"{float(i.lo):g}" if i.lo.is_finite else "-inf"
+        hi = f"{float(i.hi):g}" if i.hi.is_finite else "inf"
+        what = (f"{'param' if isinstance(i, ir.Param) else 'input'} {i.name!r} has values outside its declared "
+                f"range [{lo}, {hi}]: pass values inside it, or compile with check_ranges=False to have them "
+                "clamped into it without a check")
         if x.device.type == "cpu":
             if not bool(ok.all()):
                 raise InputError(what)
