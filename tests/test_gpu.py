@@ -50,9 +50,10 @@ def draw(mixer, B, T, H, HV, K, V, dtype, device, gen):
         elif i.unit and not i.l2norm:
             x = F.normalize(x, dim=-1)
         out[i.name] = x.to(dtype)
-    for p in mixer.ir.params:  # drawn by their init (as lrdsl.nn.Layer does), float32, one per head
+    for p in mixer.ir.params:  # drawn by their init (as lrdsl.nn.Layer does), one per head
         shape = (HV,) if p.kind == "scalar" else (HV, K)
-        out[p.name] = sample(p.init, shape, torch.Generator().manual_seed(len(out))).to(device)
+        # rounded to the dtype here, so that the reference sees the values the kernels see
+        out[p.name] = sample(p.init, shape, torch.Generator().manual_seed(len(out))).to(device, dtype)
     return out
 
 
@@ -107,6 +108,7 @@ def test_backward_bf16(path):
     ref = grads(mixer.reference, torch.float64)
     got = grads(mixer.chunk, torch.bfloat16)
     errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
+    print(mixer.name, " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
     RESULTS.append((mixer.name, "chunk bwd", max(errs[n] for n in ("q", "k", "v")),
                     max([errs[n] for n in errs if n not in ("q", "k", "v", "h0")] or [0.0])))
     for n, e in errs.items():
