@@ -73,6 +73,9 @@ class Plan:
     staged_chunk: int = 64  # BT of the staged forward
     staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
     log_decay_floor: float = -20.0  # see _floored
+    # a non-finite input reaches no earlier token in the chunked forward (common.jinja's
+    # nonfinite_helpers); off: plain products, which spread its nan over its whole chunk
+    causal_nonfinite: bool = True
     # a 16-token block whose decay stays above exp(-SPAN) in every key channel takes tensor cores
     # through the block's start (factors up to exp(SPAN), far from fp32's and bf16's exp(88))
     diagonal_block_span: float = 60.0
