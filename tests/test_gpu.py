@@ -332,3 +332,30 @@ def test_offline_solve_bf16(path):
                     max([errs[n] for n in errs if n not in ("q", "k", "v", "h0")] or [0.0])))
     for n, e in errs.items():
         assert e < 2e-2, (n, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "gla", "mamba2", "gdn2_atk", "kda_decay_after_erase"])
+def test_nonfinite_causal_gpu(name):
+    """bf16 inputs with a nan log-decay at one token of sequence 0 (inside a chunk) and an inf in
+    one value entry of sequence 1 (at a chunk start): chunk's o and final state are finite exactly
+    where the float64 reference's are, and match it there (tests/test_nonfinite.py on the CPU)."""
+    path = next(p for p in EXAMPLES if os.path.basename(p) == name + ".lr")
+    mixer = lrdsl.compile(path, check_ranges=False)
+    B, T, H, K, V = 2, 1000, 2, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    x["g"][0, 421] = float("nan")
+    x["v"][1, 512, 1, 7] = float("inf")
+    h0 = torch.randn(B, H, K, V, generator=gen, device="cuda")
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=h0.double(),
+                                   output_final_state=True)
+    with torch.no_grad():
+        o, s = mixer.chunk(**x, initial_state=h0, output_final_state=True)
+    assert torch.isfinite(o[0, :421]).all() and torch.isfinite(o[1, :512]).all()
+    for part, got, ref in (("o", o, ref_o), ("S", s, ref_s)):
+        fin = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got), fin), (part, (torch.isfinite(got) != fin).nonzero()[:4].tolist())
+        err = rms_ratio(got[fin], ref[fin])
+        RESULTS.append((name, "nonfinite " + part, err, 0.0))
+        assert err < 5e-3, (part, err)
