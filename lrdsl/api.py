@@ -190,41 +190,34 @@ class Mixer:
             from . import offline
             return offline.chunk(self, batch)
         tensors = [batch.tensors[n] for n in self.ir.tensor_names]
-        if batch.initial_aux is not None:
-            return self._chunk_from_whole_state(batch, tensors)
+        if batch.initial_aux is not None or self.keep_intermediates:
+            return self._chunk_eager(batch, tensors)
         return self._chunk_tensors(batch, tensors)
 
-    def _chunk_from_whole_state(self, batch, tensors):
-        """chunk from auxiliary initial states: differentiable in every input, S0 and the auxiliary
-        initial states (not in the auxiliary final states)."""
+    def _final(self, batch, S, aux):
+        """What chunk returns as the final state: None, S, or the whole state."""
+        if not batch.output_final_state:
+            return None
+        return self._state_out(S, aux) if self.ir.aux else S
+
+    def _chunk_eager(self, batch, tensors):
+        """chunk through autograd.ChunkFunction: from auxiliary initial states, or keeping the
+        forward's intermediates. Differentiable in every input, S0 and each auxiliary initial state."""
         from . import autograd
-        o, ht, *finals = autograd.WholeStateChunkFunction.apply(
-            self.ir, self.kernels, batch, list(self.ir.tensor_names), batch.initial_state,
-            len(batch.initial_aux), *tensors, *batch.initial_aux)
-        return (o, self._state_out(ht, finals)) if batch.output_final_state else (o, None)
+        aux0 = list(batch.initial_aux or ())
+        o, ht, *finals = autograd.ChunkFunction.apply(
+            self.ir, self.kernels, batch, list(self.ir.tensor_names), self.keep_intermediates,
+            batch.initial_state, len(aux0), *tensors, *aux0)
+        return o, self._final(batch, ht, finals)
 
     def _chunk_tensors(self, batch, tensors):
-        """The differentiable chunk (one custom op, or the kept-intermediates path)."""
+        """The differentiable chunk as one custom op (torch.compile sees no graph break)."""
         import torch
-
-        from . import autograd
-        if self.keep_intermediates:
-            names = self.ir.tensor_names
-            o, ht = autograd.KeptChunkFunction.apply(self.ir, self.kernels, batch, names, batch.initial_state,
-                                                     *tensors)
-            if ht is None or not self.ir.aux:
-                return o, ht
-            inputs, _, cu = autograd.host_args(list(names), tensors, None, batch.cu_seqlens)
-            with torch.no_grad():
-                return o, self._state_out(ht, self.kernels.aux_final_states(inputs, cu))
         o, ht, _, aux = self.chunk_op(tensors, batch.initial_state, batch.scale, batch.cu_seqlens,
                                       bool(batch.output_final_state))
-        if not batch.output_final_state:
-            return o, None
-        if not self.ir.aux:
-            return o, ht
         widths = [batch.K if a.kind == "K" else batch.V for a in self.ir.aux]
-        return o, self._state_out(ht, torch.split(aux, widths, dim=-1))
+        finals = torch.split(aux, widths, dim=-1) if batch.output_final_state and widths else ()
+        return o, self._final(batch, ht, finals)
 
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):

@@ -5,7 +5,9 @@ directions a and c, write key u and value z, scaled query r, log-decay gl) and o
 state. After the staged backward, a generated kernel applies the chain rule to the spec's inputs
 (codegen/chain.py). Otherwise the chain rule (elementwise, plus the auxiliary scans and in-mixer
 L2 norms) runs through PyTorch autograd on the same expressions the reference evaluates, so every
-expression a spec can write is differentiated the same way.
+expression a spec can write is differentiated the same way. The auxiliary states at the ends of
+the sequences (part of the final whole state) are outputs of that PyTorch function too, so their
+gradients join the vectors' there.
 """
 import dataclasses
 
@@ -35,8 +37,22 @@ def first_order_scan(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return p
 
 
-def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
-    """The per-token vectors of the chunked kernels, as differentiable tensors [B, T, HV, K|V]."""
+def _at_ends(P: torch.Tensor, b: Batch, j: int) -> torch.Tensor:
+    """An auxiliary state [B, T, HV, D] at the end of each sequence, [N, HV, D]; an empty sequence
+    keeps its initial state (b.initial_aux[j], or zero)."""
+    seqs = b.sequences()
+    start = P.new_zeros(len(seqs), *P.shape[2:]) if b.initial_aux is None else b.initial_aux[j].to(P.dtype)
+    if not b.T:
+        return start
+    rows, last, empty = (torch.tensor(c, device=P.device) for c in zip(*((bi, max(e - 1, 0), e == s)
+                                                                           for bi, s, e in seqs)))
+    return torch.where(empty.view(-1, 1, 1), start, P[rows, last])
+
+
+def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = False) -> dict:
+    """The per-token vectors of the chunked kernels, as differentiable tensors [B, T, HV, K|V];
+    with finals=True also each auxiliary state at the end of each sequence, [N, HV, K|V], under
+    the key "final <name>" (the kernels' scans give them forward; this differentiates them)."""
     env = prepare_inputs(m, b, dtype)
     dev = b.tensors["q"].device
     env["h"] = torch.arange(b.HV, device=dev, dtype=dtype).view(1, 1, b.HV, 1)
@@ -46,6 +62,7 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
     # (batch row, token, sequence) of each non-empty sequence's first token, to start from initial_aux
     firsts = [] if b.initial_aux is None else [
         torch.tensor(c, device=dev) for c in zip(*((bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s))]
+    ends = {}
     for j, a in enumerate(m.aux):
         alpha = _full(to_torch(a.decay)(env), shp[a.kind], dtype, dev)
         beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
@@ -56,11 +73,14 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32) -> dict:
         # a sequence starts from its initial state (or zero), not from what came before
         alpha = alpha * (~starts).view(1, -1, 1, 1).to(dtype)
         env[a.name] = first_order_scan(alpha, beta)
+        if finals:
+            ends["final " + a.name] = _at_ends(env[a.name], b, j)
     for lt in m.lets:
         env[lt.name] = to_torch(lt.expr)(env)
     out = {"u": _full(to_torch(m.write.key)(env), shp["K"], dtype, dev),
            "z": _full(to_torch(m.write.value)(env), shp["V"], dtype, dev),
            "r": _full(to_torch(m.query)(env), shp["K"], dtype, dev) * b.scale}
+    out.update(ends)
     if m.solve_lam is not None:  # the offline solve: its Gram state's other side k, and lam
         out["kk"] = _full(env["k"], shp["K"], dtype, dev)
         out["lam"] = _full(to_torch(m.solve_lam)(env), shp["K"], dtype, dev)
@@ -92,32 +112,38 @@ def _batch_like(batch: Batch, tensors: dict) -> Batch:
 
 
 def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved=None, residual=None,
-                initial_aux=None):
-    """Gradients of every input (None where not needed) and of h0, for the chunked kernels
-    (`residual`: what the forward kept for the backward, or None). With initial_aux (the
-    auxiliary states the forward started from, fp32) also their gradients, as a third result."""
+                initial_aux=None, dfinal_aux=()):
+    """(gradients of every input (None where not needed), of h0, of each auxiliary initial state)
+    for the chunked kernels. `saved` / `residual`: what the forward kept for the backward (or None);
+    initial_aux: the auxiliary states the forward started from (fp32; None for zeros, then the third
+    part is empty); dfinal_aux: the gradients of the auxiliary final states (None for zero)."""
     inputs, h0, cu = host_args(names, tensors, h0, batch.cu_seqlens)
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
     vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual, initial_aux)
-    if initial_aux is not None:  # (specs with auxiliary states take the PyTorch chain rule)
-        grads, daux = vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux)
-        return grads, dh0, daux
     if module.HAS_CHAIN_RULE and "a" not in vgrads:  # the staged backward ran: its chain rule too
-        g = module.chain_rule(inputs, batch.scale, vgrads)
-        return [g[n] if need else None for n, need in zip(names, needs)], dh0
-    return vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads), dh0
+        g = module.chain_rule(inputs, batch.scale, vgrads)  # (never for specs with auxiliary states)
+        return [g[n] if need else None for n, need in zip(names, needs)], dh0, []
+    grads, daux = vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux, dfinal_aux)
+    return grads, dh0, daux
 
 
-def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux=None):
-    """The gradients of the inputs (None where not needed) from those of the per-token vectors,
-    through PyTorch on the expressions the reference evaluates (where no generated chain-rule
-    kernel runs); with initial_aux (the auxiliary scans' initial states) also theirs, as
-    (input gradients, auxiliary ones). torch.func.vjp rather than torch.autograd.grad: it also runs
-    inside the custom op, where the autograd dispatch key is switched off."""
+def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux=None, dfinal_aux=()):
+    """(the gradients of the inputs (None where not needed), those of the auxiliary initial states
+    initial_aux (empty when None)) from those of the per-token vectors, and from dfinal_aux, those
+    of the auxiliary final states (None for zero), through PyTorch on the expressions the reference
+    evaluates (where no generated chain-rule kernel runs). torch.func.vjp rather than
+    torch.autograd.grad: it also runs inside the custom op, where the autograd dispatch key is
+    switched off."""
     wanted = [i for i, need in enumerate(needs) if need]
-    present = sorted(vgrads)
     n_aux = 0 if initial_aux is None else len(initial_aux)
+    cotangents = dict(vgrads)
+    finals = any(d is not None for d in dfinal_aux)
+    if finals:  # the final states as outputs of the vector function, with zero for those not used
+        for a, d in zip(mixer_ir.aux, dfinal_aux):
+            shape = (batch.N, batch.HV, batch.K if a.kind == "K" else batch.V)
+            cotangents["final " + a.name] = torch.zeros(shape, device=tensors[0].device) if d is None else d.float()
+    present = sorted(cotangents)
 
     def vectors(*xs):
         live = list(tensors)
@@ -126,7 +152,7 @@ def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_au
         b = _batch_like(batch, dict(zip(names, live)))
         if n_aux:
             b = dataclasses.replace(b, initial_aux=tuple(xs[len(wanted):]))
-        vecs = token_vectors(mixer_ir, b, torch.float32)
+        vecs = token_vectors(mixer_ir, b, torch.float32, finals)
         return tuple(vecs[k] for k in present)
 
     found = [None] * len(tensors)
@@ -134,7 +160,7 @@ def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_au
     if wanted or n_aux:
         leaves = [tensors[i].detach() for i in wanted] + [a.detach() for a in (initial_aux or ())]
         _, pullback = torch.func.vjp(vectors, *leaves)
-        pulled = pullback(tuple(vgrads[k] for k in present))
+        pulled = pullback(tuple(cotangents[k] for k in present))
         daux = list(pulled[len(wanted):])
         storages = set()
         for i, g in zip(wanted, pulled[:len(wanted)]):
@@ -143,58 +169,39 @@ def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_au
                 g = g.clone()  # the custom op's outputs may not alias one another
             storages.add(g.untyped_storage().data_ptr())
             found[i] = g
-    return (found, daux) if initial_aux is not None else found
+    return found, daux
 
 
-class WholeStateChunkFunction(torch.autograd.Function):
-    """chunk from a whole initial state (S and the auxiliary states): gradients of every input, of
-    S0 and of the auxiliary initial states. The auxiliary final states carry no gradient."""
+class ChunkFunction(torch.autograd.Function):
+    """chunk outside the custom op: from a whole initial state (S and the auxiliary states), or
+    keeping the forward's intermediates for the backward (keep: more memory, less time).
+    Differentiable in every input, S0 and each auxiliary initial state, from every part of the
+    output and the final whole state; the auxiliary final states come from the forward's own scans."""
 
     @staticmethod
-    def forward(ctx, mixer_ir, module, batch, names, h0, n_aux, *tensors_and_aux):
-        tensors, aux0 = list(tensors_and_aux[:-n_aux]), list(tensors_and_aux[-n_aux:])
+    def forward(ctx, mixer_ir, module, batch, names, keep, h0, n_aux, *tensors_and_aux):
+        n = len(tensors_and_aux) - n_aux
+        tensors, aux0 = list(tensors_and_aux[:n]), list(tensors_and_aux[n:])
         inputs, h0c, cu = host_args(names, tensors, h0, batch.cu_seqlens)
-        aux0c = [a.to(torch.float32).contiguous() for a in aux0]
-        o, ht = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, initial_aux=aux0c)
-        finals = list(module.aux_final_states(inputs, cu, aux0c)) if batch.output_final_state else []
-        ctx.mark_non_differentiable(*finals)
-        ctx.save_for_backward(*tensors, *aux0c)
+        aux0c = [a.to(torch.float32).contiguous() for a in aux0] if n_aux else None
+        r = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, keep=keep, initial_aux=aux0c)
+        ctx.save_for_backward(*tensors, *(aux0c or ()))
         ctx.info = (mixer_ir, module, batch, names, h0c, None if h0 is None else h0.dtype,
-                    [a.dtype for a in aux0], n_aux)
+                    [a.dtype for a in aux0], n, r.saved)
         ctx.set_materialize_grads(False)
-        return (o, ht, *finals)
+        return (r.o, r.final_state, *r.final_aux)
 
     @staticmethod
-    def backward(ctx, do, dht, *_dfinals):
-        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n_aux = ctx.info
-        saved = ctx.saved_tensors
-        tensors, aux0 = list(saved[:-n_aux]), list(saved[-n_aux:])
-        grads, dh0, daux = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht,
-                                       ctx.needs_input_grad[6:6 + len(tensors)], initial_aux=aux0)
-        dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[4] else None
-        daux = [g.to(d) if need else None for g, d, need in zip(daux, aux_dtypes, ctx.needs_input_grad[6 + len(tensors):])]
-        return (None, None, None, None, dh0, None, *grads, *daux)
-
-
-class KeptChunkFunction(torch.autograd.Function):
-    """Eager path that keeps the forward's intermediates for the backward (more memory, less time)."""
-
-    @staticmethod
-    def forward(ctx, mixer_ir, module, batch, names, h0, *tensors):
-        inputs, h0c, cu = host_args(names, tensors, h0, batch.cu_seqlens)
-        o, ht, saved = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, keep=True)
-        ctx.save_for_backward(*tensors)
-        ctx.info = (mixer_ir, module, batch, names, h0c, saved, None if h0 is None else h0.dtype)
-        ctx.set_materialize_grads(False)
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        mixer_ir, module, batch, names, h0, saved, h0_dtype = ctx.info
-        grads, dh0 = input_grads(mixer_ir, module, batch, names, ctx.saved_tensors, h0, do, dht,
-                                 ctx.needs_input_grad[5:], saved)
-        dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[4] else None
-        return (None, None, None, None, dh0, *grads)
+    def backward(ctx, do, dht, *dfinal_aux):
+        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n, saved = ctx.info
+        stored = ctx.saved_tensors
+        tensors, aux0 = list(stored[:n]), (list(stored[n:]) if aux_dtypes else None)
+        needs = ctx.needs_input_grad[7:]
+        grads, dh0, daux = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs[:n], saved,
+                                       initial_aux=aux0, dfinal_aux=dfinal_aux)
+        dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[5] else None
+        daux = [g.to(d) if need else None for g, d, need in zip(daux, aux_dtypes, needs[n:])]
+        return (None, None, None, None, None, dh0, None, *grads, *daux)
 
 
 _OPS = {}
@@ -224,13 +231,12 @@ def chunk_op(mixer_ir, module, key: str):
             cu_seqlens: torch.Tensor | None, output_final_state: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # the third output is what the backward reuses (the staged forward's WY inverse), or empty;
-        # the fourth the auxiliary final states side by side [N, HV, K|V + ...] (no gradient), or empty
+        # the fourth the auxiliary final states side by side [N, HV, K|V + ...], or empty
         inputs, h0c, cu = host_args(names, tensors, h0, cu_seqlens)
-        o, ht, res = module.chunk_fwd(inputs, scale, h0c, output_final_state, cu, residual=True)
-        aux = module.aux_final_states(inputs, cu) if output_final_state and module.AUX_KINDS else []
-        return (o, ht if ht is not None else o.new_empty(0, dtype=torch.float32),
-                res if res is not None else o.new_empty(0),
-                torch.cat(aux, -1) if aux else o.new_empty(0, dtype=torch.float32))
+        r = module.chunk_fwd(inputs, scale, h0c, output_final_state, cu)
+        return (r.o, r.final_state if r.final_state is not None else r.o.new_empty(0, dtype=torch.float32),
+                r.residual if r.residual is not None else r.o.new_empty(0),
+                torch.cat(r.final_aux, -1) if r.final_aux else r.o.new_empty(0, dtype=torch.float32))
 
     @fwd.register_fake
     def _(tensors, h0, scale, cu_seqlens, output_final_state):
@@ -246,18 +252,24 @@ def chunk_op(mixer_ir, module, key: str):
         aux = v.new_empty((N, HV, width) if output_final_state and width else (0,), dtype=torch.float32)
         return o, ht, res, aux
 
+    def aux_widths(tensors):
+        K, V = tensors[names.index("q")].shape[-1], tensors[names.index("v")].shape[-1]
+        return [K if kind == "K" else V for kind in module.AUX_KINDS]
+
     @torch.library.custom_op(lib + "_bwd", mutates_args=())
     def bwd(tensors: list[torch.Tensor], h0: torch.Tensor | None, scale: float,
             cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None,
-            needs: list[bool], residual: torch.Tensor) -> list[torch.Tensor]:
+            daux: torch.Tensor | None, needs: list[bool], residual: torch.Tensor) -> list[torch.Tensor]:
+        # daux: the gradient of the fourth output of fwd (the auxiliary final states), or None
         batch = batch_of(tensors, scale, cu_seqlens, False)
-        grads, dh0 = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs,
-                                 residual=residual if residual.numel() else None)
+        dfinal = torch.split(daux, aux_widths(tensors), dim=-1) if daux is not None else ()
+        grads, dh0, _ = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs,
+                                    residual=residual if residual.numel() else None, dfinal_aux=dfinal)
         out = [g if g is not None else t.new_empty(0) for g, t in zip(grads, tensors)]
         return out + [dh0.to(h0.dtype) if dh0 is not None else do.new_empty(0)]
 
     @bwd.register_fake
-    def _(tensors, h0, scale, cu_seqlens, do, dht, needs, residual):
+    def _(tensors, h0, scale, cu_seqlens, do, dht, daux, needs, residual):
         out = [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip(tensors, needs)]
         return out + [torch.empty_like(h0) if h0 is not None else do.new_empty(0)]
 
@@ -266,7 +278,7 @@ def chunk_op(mixer_ir, module, key: str):
         ctx.save_for_backward(*tensors, output[2], *([h0] if h0 is not None else []))
         ctx.meta = (len(tensors), h0 is not None, scale, cu_seqlens, output_final_state)
 
-    def backward(ctx, do, dht, _dres, _daux):
+    def backward(ctx, do, dht, _dres, daux):
         n, has_h0, scale, cu_seqlens, output_final_state = ctx.meta
         saved = ctx.saved_tensors
         tensors, residual, h0 = list(saved[:n]), saved[n], (saved[n + 1] if has_h0 else None)
@@ -274,7 +286,8 @@ def chunk_op(mixer_ir, module, key: str):
         if do is None:
             do = torch.zeros_like(fwd_out_like(tensors))
         dht = dht if (output_final_state and dht is not None and dht.numel()) else None
-        res = bwd(tensors, h0, scale, cu_seqlens, do, dht, needs, residual)
+        daux = daux if (output_final_state and daux is not None and daux.numel()) else None
+        res = bwd(tensors, h0, scale, cu_seqlens, do, dht, daux, needs, residual)
         grads = [g if need else None for g, need in zip(res[:n], needs)]
         return grads, (res[n] if has_h0 else None), None, None, None
 

@@ -16,8 +16,9 @@ CG's rate when the steps are fewer than K), never below 1e-4, for the forward an
 With gradients on (the default of `run_fuzz` and `lrdsl fuzz`; `--no-grad` turns them off), the
 chunked kernels (the only differentiable ones: `recurrent` is forward-only) are also
 differentiated for loss = (o * do).sum() + (S * dS).sum(), with random do and dS drawn with
-`torch.manual_seed(case.seed + 1)`, and every input's gradient and the initial state's is compared
-with float64 autograd through the reference:
+`torch.manual_seed(case.seed + 1)` (and, for a whole state, a term like the second for each of its
+other parts, weights from torch.Generator().manual_seed(number of parts)), and every input's
+gradient and the initial state's is compared with float64 autograd through the reference:
 
     rms ratio < tol (1e-4) for q, k, v and the initial state;  < 10 tol (1e-3) for the other inputs.
 
@@ -211,15 +212,21 @@ def draw_upstream(case: Case, device="cpu") -> tuple:
 
 
 def _gradients(fn, x, h0, opts, do, dS, dtype, device) -> dict:
-    """{name: gradient} of (o * do).sum() + (S * dS).sum() through fn, for every input and h0."""
+    """{name: gradient} of (o * do).sum() + (S * dS).sum() (plus a weighted sum of each other part
+    of a whole final state) through fn, for every input and h0."""
     leaves = {n: t.detach().to(device, dtype).requires_grad_() for n, t in x.items()}
     if h0 is not None:
         leaves["initial_state"] = h0.detach().to(device, dtype).requires_grad_()
     cu = opts["cu_seqlens"]
     o, s = fn(**leaves, scale=opts["scale"], cu_seqlens=None if cu is None else cu.to(device),
               output_final_state=True)
-    s = s.S if isinstance(s, MixerState) else s  # auxiliary final states carry no gradient
-    loss = (o * do.to(device, dtype)).sum() + (s * dS.to(device, dtype)).sum()
+    loss = (o * do.to(device, dtype)).sum()
+    if isinstance(s, MixerState):  # the whole state: each auxiliary part with weights of its own
+        gen = torch.Generator().manual_seed(len(s.aux))
+        for _, a in sorted(s.aux.items()):
+            loss = loss + (a * torch.randn(a.shape, generator=gen, dtype=torch.float64).to(device, dtype)).sum()
+        s = s.S
+    loss = loss + (s * dS.to(device, dtype)).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     return dict(zip(leaves, grads))
 
@@ -362,7 +369,14 @@ def snippet(mixer, case: Case, impl: str = "recurrent", device: str = "cpu", tol
                   "        leaves['initial_state'] = initial_state.to(dev, dtype).requires_grad_()",
                   "    cu = None if cu_seqlens is None else cu_seqlens.to(dev)",
                   "    o, s = fn(**leaves, **dict(opts, cu_seqlens=cu))",
-                  "    loss = (o * do.to(dev, dtype)).sum() + (s * dS.to(dev, dtype)).sum()",
+                  "    loss = (o * do.to(dev, dtype)).sum()",
+                  "    if isinstance(s, lrdsl.MixerState):  # each auxiliary part with weights of its own",
+                  "        gen = torch.Generator().manual_seed(len(s.aux))",
+                  "        for _, a in sorted(s.aux.items()):",
+                  "            loss = loss + (a * torch.randn(a.shape, generator=gen, dtype=torch.float64)"
+                  ".to(dev, dtype)).sum()",
+                  "        s = s.S",
+                  "    loss = loss + (s * dS.to(dev, dtype)).sum()",
                   "    found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)",
                   "    return dict(zip(leaves, found))",
                   "",

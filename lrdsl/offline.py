@@ -84,47 +84,49 @@ def step(mixer, q, k, v, state, scale, inputs):
 
 def chunk(mixer, batch):
     """mixer.chunk for an offline-solve mixer: (o, MixerState or None), differentiable in every
-    input and in the initial S and G (not, so far, in the initial states of auxiliary scans, which
-    the other mixers differentiate through)."""
+    input and every part of the initial whole state (S, G, auxiliary states), from o and every
+    part of the final whole state."""
     m = mixer.ir
     inputs, cu = host_inputs(mixer, batch)
     names = list(inputs)
     tensors = [batch.tensors[n] for n in names]
     starts = [batch.initial_state, batch.initial_gram]
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in [*tensors, *starts])
-    if batch.initial_aux is not None and grad and any(t.requires_grad for t in batch.initial_aux):
-        raise InputError("chunk() does not differentiate through auxiliary initial states: pass them "
-                         "without requires_grad (the inputs, S and G are differentiable)")
+    aux0 = list(batch.initial_aux or ())
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in [*tensors, *starts, *aux0])
     if not grad:
         o, final = mixer.kernels.chunk_fwd(inputs, batch.scale, state_in(m, batch), batch.output_final_state, cu)
         return o, (state_out(m, *final) if final is not None else None)
-    aux0 = state_in(m, batch)[2] if batch.initial_aux is not None else None
-    o, ST, GT, *aux = ChunkFunction.apply(mixer, batch, names, aux0, *starts, *tensors)
+    o, ST, GT, *aux = ChunkFunction.apply(mixer, batch, names, len(aux0), *starts, *tensors, *aux0)
     return o, (state_out(m, ST, GT, aux) if batch.output_final_state else None)
 
 
 class ChunkFunction(torch.autograd.Function):
     """The chunked forward and backward of the offline solve (the forward keeps the solutions x and
-    the chunk-start states for the backward)."""
+    the chunk-start states for the backward). The auxiliary scans' part of the chain rule, their
+    initial and final states included, goes through PyTorch (autograd.vector_chain_rule)."""
 
     @staticmethod
-    def forward(ctx, mixer, batch, names, aux0, S0, G0, *tensors):
+    def forward(ctx, mixer, batch, names, n_aux, S0, G0, *tensors_and_aux):
+        n = len(tensors_and_aux) - n_aux
+        tensors, aux0 = tensors_and_aux[:n], tensors_and_aux[n:]
         inputs, cu = dict(zip(names, (t.contiguous() for t in tensors))), batch.cu_seqlens
         cu = cu.to(torch.int64).contiguous() if cu is not None else None
         f32 = [None if t is None else t.detach().to(torch.float32).contiguous() for t in (S0, G0)]
+        aux0 = [a.detach().to(torch.float32).contiguous() for a in aux0] if n_aux else None
         state = None if f32 == [None, None] and aux0 is None else (*f32, aux0)
         o, final, saved = mixer.kernels.chunk_fwd(inputs, batch.scale, state, batch.output_final_state, cu, keep=True)
         ctx.mixer, ctx.batch, ctx.names, ctx.saved, ctx.cu, ctx.state = mixer, batch, names, saved, cu, state
-        ctx.starts = (S0, G0)
-        ctx.save_for_backward(*tensors)
+        ctx.starts, ctx.n = (S0, G0), n
+        ctx.aux_dtypes = [a.dtype for a in tensors_and_aux[n:]]
+        ctx.save_for_backward(*tensors, *(aux0 or ()))
         if final is None:
             return o, None, None
-        ctx.mark_non_differentiable(*final[2])
         return (o, final[0], final[1], *final[2])
 
     @staticmethod
-    def backward(ctx, do, dST=None, dGT=None, *_aux):
-        tensors = ctx.saved_tensors
+    def backward(ctx, do, dST=None, dGT=None, *daux):
+        stored = ctx.saved_tensors
+        tensors, aux0 = stored[:ctx.n], (list(stored[ctx.n:]) if ctx.aux_dtypes else None)
         m, batch = ctx.mixer.ir, ctx.batch
         inputs = dict(zip(ctx.names, (t.contiguous() for t in tensors)))
         if do is None:
@@ -133,11 +135,12 @@ class ChunkFunction(torch.autograd.Function):
         vgrads, dS0, dG0 = ctx.mixer.kernels.chunk_bwd(inputs, batch.scale, ctx.state, do, dht, ctx.cu, ctx.saved)
         needs = ctx.needs_input_grad[6:]
         from .autograd import vector_chain_rule
-        grads = vector_chain_rule(m, batch, ctx.names, tensors, needs, vgrads)
+        grads, daux0 = vector_chain_rule(m, batch, ctx.names, tensors, needs[:ctx.n], vgrads, aux0, daux)
         S0, G0 = ctx.starts
         dS0 = dS0.to(S0.dtype) if S0 is not None and ctx.needs_input_grad[4] else None
         dG0 = dG0.to(G0.dtype) if G0 is not None and ctx.needs_input_grad[5] else None
-        return (None, None, None, None, dS0, dG0, *grads)
+        daux0 = [g.to(d) if need else None for g, d, need in zip(daux0, ctx.aux_dtypes, needs[ctx.n:])]
+        return (None, None, None, None, dS0, dG0, *grads, *daux0)
 
 
 # ---- tolerances ------------------------------------------------------------------------------

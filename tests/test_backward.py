@@ -3,7 +3,8 @@
 For each case the same fp32 inputs (drawn inside the ranges the spec declares by lrdsl.fuzz) go
 through `mixer.chunk`, and float64 copies through `mixer.reference`; both are differentiated for
 
-    loss = (o * do).sum() + (S * dS).sum()        (random do and dS; the dS term when S is returned)
+    loss = (o * do).sum() + (S * dS).sum()        (random do and dS; the dS term when S is returned,
+                                                   and a term like it for each auxiliary final state)
 
 with respect to q, k, v, every other input of the spec and the initial state. Tolerances, as
 rms(chunk - reference) / rms(reference):
@@ -57,9 +58,12 @@ def gradients(fn, x, h0, opts, do, dS, dtype):
                                                  dtype).requires_grad_()
     dev = next(iter(leaves.values())).device
     o, S = fn(**leaves, **opts)
-    if isinstance(S, lrdsl.MixerState):  # the whole state: its auxiliary parts carry no gradient
-        S = S.S
     loss = (o * do.to(dev, dtype)).sum()
+    if isinstance(S, lrdsl.MixerState):  # the whole state: each auxiliary part with weights of its own
+        gen = torch.Generator().manual_seed(len(S.aux))
+        for _, a in sorted(S.aux.items()):
+            loss = loss + (a * torch.randn(a.shape, generator=gen, dtype=torch.float64).to(dev, dtype)).sum()
+        S = S.S
     if dS is not None:
         assert S is not None, "output_final_state=True but no final state came back"
         loss = loss + (S * dS.to(dev, dtype)).sum()

@@ -146,8 +146,9 @@ def test_staged_forward_for_per_channel_decays(name, strong, compiled):
     if strong:
         assert 4 * -Plan.log_decay_floor > Plan.diagonal_block_span
         x["g"][0, 70:74, 1, 5] = -30.0  # rows 70..73: one 16-token block (69..84) of the second sequence
-    o, s, _ = mixer.kernels.staged_fwd({n: t.contiguous() for n, t in x.items()}, case.K ** -0.5,
-                                    opts["initial_state"], True, opts["cu_seqlens"])
+    r = mixer.kernels.staged_fwd({n: t.contiguous() for n, t in x.items()}, case.K ** -0.5,
+                                 opts["initial_state"], True, opts["cu_seqlens"])
+    o, s = r.o, r.final_state
     ref_o, ref_s = reference(mixer, x, dict(opts, scale=case.K ** -0.5))
     e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, state_parts(ref_s)["S"])  # the kernels' S
     assert e_o < TOL and e_s < TOL, f"{name}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
