@@ -44,7 +44,7 @@ class Mixer:
 
     @property
     def params(self) -> tuple:
-        """The names of the spec's learned params (tensors [HV] or [HV, K], passed like inputs)."""
+        """The names of the spec's learned params (tensors [HV], [HV, K] or [HV, V], passed like inputs)."""
         return tuple(p.name for p in self.ir.params)
 
     def __repr__(self) -> str:

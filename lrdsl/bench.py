@@ -45,9 +45,9 @@ def draw(mixer, s: Shape, dtype=torch.bfloat16, device="cuda", seed=0) -> dict:
         elif math.isfinite(float(i.lo)) and math.isfinite(float(i.hi)):
             x = float(i.lo) + (float(i.hi) - float(i.lo)) * torch.sigmoid(x)
         out[i.name] = x.to(dtype)
-    from .params import sample
+    from .params import param_shape, sample
     for p in mixer.ir.params:  # fp32 per head, drawn as lrdsl.nn.Layer initialises them
-        out[p.name] = sample(p.init, (s.H, s.K) if p.kind == "K" else (s.H,)).to(device)
+        out[p.name] = sample(p.init, param_shape(p, s.H, s.K, s.V)).to(device)
     return out
 
 

@@ -91,8 +91,8 @@ def input_line(inp) -> str:
     """Python text (over torch, F and the sizes B, T, H, HV, K, V) that draws one input in its range."""
     heads = "H" if inp.shared else "HV"
     shape = f"B, T, {heads}" if inp.kind == "scalar" else f"B, T, {heads}, {inp.kind}"
-    if isinstance(inp, ir.Param):  # one value per head (and key channel), the same at every token
-        shape = "HV" if inp.kind == "scalar" else "HV, K"
+    if isinstance(inp, ir.Param):  # one value per head (and key or value channel), the same at every token
+        shape = "HV" if inp.kind == "scalar" else f"HV, {inp.kind}"
     lo = float(inp.lo) if inp.lo.is_finite else -math.inf
     hi = float(inp.hi) if inp.hi.is_finite else math.inf
     if inp.l2norm:  # normalised inside the mixer: any vector

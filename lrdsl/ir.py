@@ -54,8 +54,8 @@ class Input:
 
 @dataclass(frozen=True)
 class Param:
-    """A learned parameter: one number per value head (kind "scalar") or per head and key channel
-    ("K"), the same for every token. Where ranges and witnesses treat it like an input it reads as
+    """A learned parameter: one number per value head (kind "scalar"), per head and key channel
+    ("K") or per head and value channel ("V"), the same for every token. Where ranges and witnesses treat it like an input it reads as
     one that is never shared, normalised or a log-decay."""
     name: str
     kind: str  # "scalar" | "K"

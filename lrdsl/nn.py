@@ -15,8 +15,8 @@ cut its gradient off):
 - a bounded range (lo, hi): lo + (hi - lo) * sigmoid(x) ((0, 1) -> sigmoid);
 - bounded on one side: lo + softplus(x) or hi - softplus(x); unbounded: x itself.
 
-A spec's params (`param A_log, dt_bias`) become nn.Parameters of the same names, [num_v_heads] or
-[num_v_heads, head_dim], drawn by their `init` (printed by `lrdsl show`; by default Mamba-2's for
+A spec's params (`param A_log, dt_bias`) become nn.Parameters of the same names, [num_v_heads],
+[num_v_heads, head_dim] or [num_v_heads, head_v_dim], drawn by their `init` (printed by `lrdsl show`; by default Mamba-2's for
 A_log and dt_bias, 0 otherwise) and marked `_no_weight_decay`, as Mamba marks its A_log and dt_bias.
 The mixer reads them inside its kernels, so FLA's gates, `g = -exp(A_log) * softplus(a + dt_bias)`
 over a plain projection `a`, are spec text.
@@ -164,8 +164,9 @@ class Layer(nn.Module):
             if self.kinds[inp.name] == "decay":
                 self._add(f"{inp.name}_A_log", nn.Parameter(torch.empty(heads)))
                 self._add(f"{inp.name}_dt_bias", nn.Parameter(torch.empty(heads, width)))
+        from .params import param_shape
         for p in spec.ir.params:
-            self._add(p.name, nn.Parameter(torch.empty(self.num_v_heads, *((self.head_dim,) if p.kind == "K" else ()))))
+            self._add(p.name, nn.Parameter(torch.empty(param_shape(p, self.num_v_heads, self.head_dim, self.head_v_dim))))
         HV, V = self.num_v_heads, self.head_v_dim
         if self.use_output_gate:
             self._add("o_gate_proj", nn.Linear(hidden_size, HV * V, bias=False))

@@ -1,7 +1,7 @@
 """Learned parameters declared in a spec (`param A_log, dt_bias[K] in (-inf, inf) init ...`).
 
-A param is one number per value head ([HV]) or per head and key channel ([HV, K]), the same for
-every token. Per-token expressions read it like an input; the kernels load it once per head where
+A param is one number per value head ([HV]), per head and key channel ([HV, K]) or per head and
+value channel ([HV, V]), the same for every token. Per-token expressions read it like an input; the kernels load it once per head where
 they load the inputs, and its gradient is the sum over tokens of the per-token chain rule. Here:
 lowering the declarations (shape, range, initialisation), printing an initialisation, checking
 the tensors a call passes, and drawing initial values for lrdsl.nn.Layer.
@@ -44,9 +44,10 @@ def lower_params(lw, st) -> list:
         kind = "scalar"
         if d.shape is not None:
             kind, kspan = d.shape
-            if kind != "K":
-                raise SpecError(f"a param is one number per head (`param {d.name}`) or one per head and key "
-                                f"channel (`param {d.name}[K]`), not one per [{kind}] channel", kspan)
+            if kind not in ("K", "V"):
+                raise SpecError(f"a param is one number per head (`param {d.name}`), one per head and key "
+                                f"channel (`param {d.name}[K]`) or one per head and value channel "
+                                f"(`param {d.name}[V]`), not one per [{kind}] channel", kspan)
         lw.declare(d.name, kind, d.span, "param name")
         lo, hi, lo_open, hi_open = declared_range(d) if d.range is not None else (-sp.oo, sp.oo, True, True)
         init = d.init if d.init is not None else _default(d.name, lo, hi, lo_open, hi_open)
@@ -139,25 +140,29 @@ def sample(init: tuple, shape, generator=None):
     return x + torch.log(-torch.expm1(-x))  # softplus_inv
 
 
-def param_shape(p: ir.Param, HV: int, K: int) -> tuple:
-    return (HV,) if p.kind == "scalar" else (HV, K)
+def param_shape(p: ir.Param, HV: int, K: int, V: int) -> tuple:
+    """[HV], [HV, K] or [HV, V]: one value per value head (and key or value channel)."""
+    return (HV,) if p.kind == "scalar" else (HV, K if p.kind == "K" else V)
 
 
 def layout(p: ir.Param) -> str:
-    return "[HV]" if p.kind == "scalar" else "[HV, K]"
+    return "[HV]" if p.kind == "scalar" else f"[HV, {p.kind}]"
 
 
-def check_tensors(mixer: ir.Mixer, given: dict, HV: int, K: int, device) -> dict:
-    """The params of a call, checked against the spec: each a floating-point tensor [HV] or
-    [HV, K] on the inputs' device. Returns them by name."""
+_PER = {"scalar": "value head", "K": "value head and key channel", "V": "value head and value channel"}
+
+
+def check_tensors(mixer: ir.Mixer, given: dict, HV: int, K: int, V: int, device) -> dict:
+    """The params of a call, checked against the spec: each a floating-point tensor [HV], [HV, K]
+    or [HV, V] on the inputs' device. Returns them by name."""
     import torch
     out = {}
     for p in mixer.params:
         t = given.get(p.name)
-        want = param_shape(p, HV, K)
+        want = param_shape(p, HV, K, V)
         if t is None:
             raise InputError(f"mixer '{mixer.name}' needs the param {p.name!r}, a tensor {layout(p)} = "
-                             f"{list(want)} (one value per head{'' if p.kind == 'scalar' else ' and key channel'})")
+                             f"{list(want)} (one value per {_PER[p.kind]})")
         if not isinstance(t, torch.Tensor):
             raise InputError(f"param {p.name!r} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
@@ -167,8 +172,7 @@ def check_tensors(mixer: ir.Mixer, given: dict, HV: int, K: int, device) -> dict
                              "on real tensors")
         if tuple(t.shape) != want:
             raise InputError(f"param {p.name!r} must have shape {layout(p)} = {list(want)} (one value per "
-                             f"{'value head' if p.kind == 'scalar' else 'value head and key channel'}, the same "
-                             f"for every token), got {list(t.shape)}")
+                             f"{_PER[p.kind]}, the same for every token), got {list(t.shape)}")
         if t.device != device:
             raise InputError(f"param {p.name!r} is on {t.device} but q is on {device}; put all tensors on one "
                              "device")

@@ -83,9 +83,9 @@ def decl(i: ir.Input) -> str:
 
 
 def param_decl(p: ir.Param) -> str:
-    """A param as declared: name, [K], range, init (always printed: the default depends on the name)."""
+    """A param as declared: name, [K] or [V], range, init (always printed: the default depends on the name)."""
     from .params import init_text
-    shape = "[K]" if p.kind == "K" else ""
+    shape = "" if p.kind == "scalar" else f"[{p.kind}]"
     return f"{p.name}{shape}{_range(p)} init {init_text(p.init)}"
 
 
@@ -146,7 +146,7 @@ def canonical(m: ir.Mixer) -> str:
     for a in m.aux:
         out.append(f"aux     {a.name}[{a.kind}]  = {expr(a.decay)} * {a.name} + {expr(a.write)}")
     for p in m.params:
-        out.append(f"param   {param_decl(p)}  (learned: [HV{', K' if p.kind == 'K' else ''}])")
+        out.append(f"param   {param_decl(p)}  (learned: [HV{'' if p.kind == 'scalar' else ', ' + p.kind}])")
     for lt in m.lets:
         out.append(f"let     {lt.name} = {expr(lt.expr)}")
     norm = [i.name for i in m.inputs if i.l2norm]

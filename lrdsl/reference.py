@@ -67,9 +67,9 @@ def prepare_inputs(m: ir.Mixer, b: Batch, dtype: torch.dtype) -> dict:
         if i.kind == "scalar":
             x = x.unsqueeze(-1)
         out[i.name] = x
-    for p in m.params:  # [HV] or [HV, K], the same at every token: a broadcast view, no copy
+    for p in m.params:  # [HV], [HV, K] or [HV, V], the same at every token: a broadcast view, no copy
         x = _clamped(p, b.tensors[p.name].to(dtype))
-        out[p.name] = x.reshape(1, 1, b.HV, -1).expand(b.B, b.T, b.HV, x.shape[-1] if p.kind == "K" else 1)
+        out[p.name] = x.reshape(1, 1, b.HV, -1).expand(b.B, b.T, b.HV, 1 if p.kind == "scalar" else x.shape[-1])
     return out
 
 

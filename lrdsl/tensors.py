@@ -127,7 +127,7 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         if len(c) < 2 or c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
             raise InputError(f"cu_seqlens must start at 0, never decrease and end at T={T}, got {c}")
     from .params import check_tensors
-    given.update(check_tensors(mixer, params, HV, K, q.device))
+    given.update(check_tensors(mixer, params, HV, K, V, q.device))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     initial_aux = initial_gram = None
     if isinstance(initial_state, MixerState):

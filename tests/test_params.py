@@ -58,6 +58,27 @@ let m = squash(P, x = 1.5, center = -0.2)
 S = (I - sigmoid(b) (m*k) k^T) S + sigmoid(b) (m*k) v^T
 o = S^T q
 """,
+    # params per value channel ([V]): a gain and a bias of the written value (the staged kernels and
+    # the generated chain rule, which sums the value-channel terms over the tokens)
+    "value_gates": """mixer value_gates
+input q[K] l2norm, k[K] l2norm, v[V]
+input a, b
+param A_log, w[V] in (0, 2) init 1, vb[V]
+let g = -exp(A_log) * softplus(a)
+S = exp(g) (I - sigmoid(b) k k^T) S + sigmoid(b) k (w*v + vb)^T
+o = S^T q
+""",
+    # a [V] param in a value-channel auxiliary scan, a decay after the erase: the general kernels and
+    # the PyTorch chain rule
+    "value_scan": """mixer value_scan
+input q[K] l2norm, k[K] l2norm, v[V]
+input a[K], b
+param A_log, w[V] in [0, 1] init 0.5
+state U[V] = exp(-exp(A_log)) * U + w * v
+let g = -softplus(a)
+S = diag(exp(g)) (I - sigmoid(b) k k^T) S + sigmoid(b) k U^T
+o = S^T q
+""",
     # declared ranges: values outside are clamped (and get no gradient), in the query and the erase
     "clamp_gates": """mixer clamp_gates
 input q[K] l2norm, k[K] l2norm, v[V]
@@ -165,7 +186,8 @@ ERRORS = {  # spec text -> (line, column, words of the message)
         (3, 14, ["unknown name 'A_log'", "`param A_log`"]),
     "mixer m\nparam w, w\ndecay scalar g\n": (2, 10, ["'w' is already defined (line 2)"]),
     "mixer m\ninput a\nparam a\ndecay scalar g\n": (3, 7, ["'a' is already defined (line 2)"]),
-    "mixer m\nparam w[V]\ndecay scalar g\n": (2, 9, ["one per head and key channel (`param w[K]`)", "[V]"]),
+    "mixer m\nparam w[T]\ndecay scalar g\n": (2, 9, ["one per head and key channel (`param w[K]`)",
+                                                  "value channel (`param w[V]`)", "[T]"]),
     "mixer m\nparam w in (1, 1)\ndecay scalar g\n": (2, 9, ["range of 'w' is empty"]),
     "mixer m\nparam w init log(uniform(-1, 2))\ndecay scalar g\n": (2, 7, ["log(...) takes positive values"]),
     "mixer m\nparam w init uniform(2, 1)\ndecay scalar g\n": (2, 7, ["needs lo < hi"]),
@@ -232,6 +254,27 @@ def test_params_are_checked_with_clear_errors():
         checked.reference(**dict(y, lam=torch.tensor([3.0])))
 
 
+def test_value_channel_params_are_hv_by_v_tensors():
+    """A param per value channel is a tensor [HV, V]: clear errors for another shape or none, and
+    lrdsl.nn.Layer makes it an nn.Parameter [num_v_heads, head_v_dim] drawn by its init."""
+    m = lrdsl.compile(text=SPECS["value_gates"], load_kernels=False)
+    x, _ = draw_inputs(m, Case(B=1, T=4, H=1, HV=2, K=8, V=6))
+    assert x["vb"].shape == x["w"].shape == (2, 6)
+    for bad, words in ((x["vb"][:, :4], "param 'vb' must have shape [HV, V] = [2, 6] (one value per value head "
+                                        "and value channel"),
+                       (None, "needs the param 'vb', a tensor [HV, V] = [2, 6] (one value per value head and value")):
+        y = dict(x, vb=bad)
+        if bad is None:
+            y.pop("vb")
+        with pytest.raises(InputError) as e:
+            m.reference(**y)
+        assert words in str(e.value), str(e.value)
+    from lrdsl.nn import Layer
+    layer = Layer(m, hidden_size=16, num_heads=2, head_dim=8, num_v_heads=4, head_v_dim=6)
+    assert layer.w.shape == layer.vb.shape == (4, 6) and layer.A_log.shape == (4,)
+    assert torch.equal(layer.w, torch.ones(4, 6)) and torch.equal(layer.vb, torch.zeros(4, 6))  # their inits
+
+
 def test_kernels_load_params_once_per_head():
     """The params reach the kernels as [HV] tensors, loaded at the head's offset where the gates are
     evaluated: no [B, T, HV] copy is made before the launch."""
@@ -242,6 +285,8 @@ def test_kernels_load_params_once_per_head():
     assert "b_A_log = tl.where(m_t, tl.load(in_A_log + i_hv).to(tl.float32), 0.0)[:, None]" in src  # chunks
     src = runtime.generate(spec_to_ir(SPECS["kda_gates"]))
     assert "b_dt_bias = tl.load(in_dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)" in src
+    src = runtime.generate(spec_to_ir(SPECS["value_gates"]))
+    assert "b_vb = tl.load(in_vb + i_hv * V + o_v, mask=m_v, other=0).to(tl.float32)" in src
 
 
 # ---- kernels against the reference ---------------------------------------------------------------
