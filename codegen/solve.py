@@ -23,11 +23,18 @@ class SolvePlan:
     gram_key: str  # block variable of k, the Gram state's other side (G = D G + u k^T)
     steps: int  # conjugate-gradient steps, the spec's `steps` (Mesa's 30 by default)
     chunk: int = 64  # BT of the chunked kernels (tokens solved together in one program)
-    chunk_wide_k: int = 32  # BT when K > 64: the CG keeps four [BT, K] fp32 blocks and G's [K, K]
+    # BT when K > 64: with bf16 operands the CG's blocks fit at 64 tokens too (fp32 inputs spill more)
+    chunk_wide_k: int = 64
     bw: int = 64  # value tile of the state passes and the readout
     recurrent_bv: int = 64  # value tile of the decode kernel (each tile repeats the K x K solve)
     recurrent_warps: int = 4
     chunk_warps: int = 4
+    solve_warps: int = 8  # the CG keeps x, r, p and G p ([BT, K] fp32 each): 8 warps spill least
+    state_stages: int = 2  # the state passes prefetch the next chunk's keys and values
+    # the backward's pair kernel holds six [BT, K] fp32 blocks besides its value tiles: at BT = 64,
+    # K = 128 (fp32 state gradients) 32-wide value tiles and 8 warps fit in shared memory unspilled
+    pair_bw: int = 32
+    pair_warps: int = 8
     # tl.dot precision of the CG products on the GPU (the interpreter computes fp32 exactly): tf32
     # keeps about 1e-3 of each product, which bounds how far CG gets; "tf32x3" or "ieee" cost more
     cg_precision: str = "tf32"

@@ -297,12 +297,14 @@ OFFLINE = [str(p) for p in sorted(glob.glob(os.path.join(os.path.dirname(__file_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
-@pytest.mark.parametrize("path", OFFLINE, ids=lambda p: os.path.basename(p)[:-3])
-def test_offline_solve_bf16(path):
+@pytest.mark.parametrize("path,K", [(p, 64) for p in OFFLINE] + [(p, 128) for p in OFFLINE if p.endswith("/mesa.lr")],
+                         ids=lambda x: os.path.basename(x)[:-3] if isinstance(x, str) else f"K{x}")
+def test_offline_solve_bf16(path, K):
     """The offline solve (Mesa) in bf16 against the exact float64 reference: chunk and recurrent
     outputs and whole final states (S and G) from a whole initial state, and the chunk's gradients
-    of every input and of S0. K = 64 with the spec's CG steps (30, or 20 for mesa_retention)."""
-    B, T, H, K, V = 2, 1024, 4, 64, 64
+    of every input and of S0. K = V = 64 with the spec's CG steps (30, or 20 for mesa_retention),
+    and mesa at K = V = 128, the benchmark's size."""
+    B, T, H, V = 2, 1024, 4, K
     mixer = lrdsl.compile(path)
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
