@@ -3,6 +3,8 @@ that points at the offending place and names the problem, through the API and th
 (exit code 1, the same first line on stderr, never a traceback)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import keyword
 import os
 import subprocess
@@ -198,29 +200,54 @@ def test_there_are_many_distinct_cases():
     assert len(set(texts)) == len(texts)
 
 
-@pytest.fixture(scope="module")
-def cli_results(tmp_path_factory):
-    """Run `python -m lrdsl.cli check FILE` for every case, a few at a time."""
-    d = tmp_path_factory.mktemp("specs")
+# Every CLI case runs `lrdsl check FILE` through cli.main in this process (test_cli_error); a real
+# `python -m lrdsl.cli` process (exit code, stderr) costs a Python start-up each, so pytest -q starts
+# one for these cases (bytes that are not a spec, a caret, a checker's refusal) and -m slow for all.
+SUBPROCESS_DEFAULT = ("binary_garbage", "unknown_name", "unstable_axis")
+
+
+def write_specs(folder) -> dict:
     paths = {}
     for name, (text, _, _) in CLI_CASES.items():
-        p = d / f"{name}.lr"
+        p = folder / f"{name}.lr"
         p.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
         paths[name] = p
+    return paths
+
+
+@pytest.fixture(scope="module")
+def spec_files(tmp_path_factory):
+    return write_specs(tmp_path_factory.mktemp("specs"))
+
+
+@pytest.fixture(scope="module")
+def cli_results(spec_files, request):
+    """Run `python -m lrdsl.cli check FILE` for every case this session runs, a few at a time."""
+    wanted = {item.callspec.params["name"] for item in request.session.items
+              if getattr(item, "originalname", "") == "test_cli_subprocess_error"}
+    wanted.add("unknown_name")  # test_cli_context_has_a_caret
 
     def run(name):
-        r = subprocess.run([sys.executable, "-m", "lrdsl.cli", "check", str(paths[name])], cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "lrdsl.cli", "check", str(spec_files[name])], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
-        return name, (str(paths[name]), r.returncode, r.stdout, r.stderr)
+        return name, (str(spec_files[name]), r.returncode, r.stdout, r.stderr)
 
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
-        return dict(ex.map(run, sorted(CLI_CASES)))
+        return dict(ex.map(run, sorted(wanted)))
 
 
-@pytest.mark.parametrize("name", sorted(CLI_CASES))
-def test_cli_error(cli_results, name):
+def in_process(path) -> tuple:
+    """cli.main(["check", path]) in this process: (path, exit code, stdout, stderr)."""
+    from lrdsl import cli
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["check", str(path)])
+    return str(path), rc, out.getvalue(), err.getvalue()
+
+
+def check_cli_result(name, result):
     text, (line, col), words = CASES[name]
-    path, rc, out, err = cli_results[name]
+    path, rc, out, err = result
     assert "Traceback" not in err and "Traceback" not in out
     assert rc == 1, (rc, err)
     first = err.splitlines()[0]
@@ -230,6 +257,17 @@ def test_cli_error(cli_results, name):
     with pytest.raises(lrdsl.SpecError) as e:
         lrdsl.compile(text=text)
     assert first == str(e.value).replace("<spec>", path, 1)  # the CLI says what the API says
+
+
+@pytest.mark.parametrize("name", sorted(CLI_CASES))
+def test_cli_error(spec_files, name):
+    check_cli_result(name, in_process(spec_files[name]))
+
+
+@pytest.mark.parametrize("name", [n if n in SUBPROCESS_DEFAULT else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(CLI_CASES)])
+def test_cli_subprocess_error(cli_results, name):
+    check_cli_result(name, cli_results[name])
 
 
 def test_cli_context_has_a_caret(cli_results):
