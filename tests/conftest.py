@@ -27,3 +27,8 @@ def compiled():
         return cache[key]
 
     return get
+
+
+import interpreter_scan  # noqa: E402
+
+interpreter_scan.install()  # the interpreter's associative_scan one slice at a time (same bits)
