@@ -163,3 +163,38 @@ def test_random_spec_nonfinite_input_reaches_no_earlier_token(text, data, monkey
     if torch.isfinite(ref_o).all():  # clamped into its range (beta = inf) or a reset (g = -inf)
         return
     check_causal(mixer, x, opts, row, monkeypatch, f"{name}={value} at {row}\n{text}")
+
+
+# the staged backward's dq (dr): a bad key or decay at token t leaves dq of the tokens before it as
+# the reference has them (the products over key tokens are causal, as in the forward)
+BACKWARD = [("gated_deltanet", "k-nan"), ("gated_deltanet", "g-nan"), ("kda", "k-nan"), ("kda", "g-nan")]
+
+
+@pytest.mark.parametrize("stem,bad", BACKWARD, ids=[f"{s}-{b}" for s, b in BACKWARD])
+def test_nonfinite_input_leaves_earlier_dq(stem, bad, compiled, monkeypatch):
+    from triton.runtime import interpreter
+    if DEVICE == "cpu":  # the GPU's minnum semantics, as the forward tests take them
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_minnumf",
+                            lambda self, a, b: self.binary_op(a, b, np.fmin))
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_maxnumf",
+                            lambda self, a, b: self.binary_op(a, b, np.fmax))
+    mixer = compiled(spec_path(stem), check_ranges=False)
+    case = Case(B=1, T=100, H=1, HV=1, K=16, V=16, cu_seqlens=None, initial_state=False, seed=4)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    row = 37
+    name, value, whole = BAD[bad]
+    x = spoil(x, name, value, whole, row)
+    do = torch.randn(1, case.T, 1, case.V, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    do[:, row:] = 0  # a loss on the tokens before the bad one only
+
+    def dq(fn, dtype):
+        q = x["q"].to(dtype).requires_grad_()
+        o, _ = fn(**{n: t.to(dtype) for n, t in x.items() if n != "q"}, q=q, **opts)
+        (torch.nan_to_num(o, nan=0.0, posinf=0.0, neginf=0.0) * do.to(dtype)).sum().backward()
+        return q.grad[0, :row]
+
+    ref = dq(mixer.reference, torch.float64)
+    got = dq(mixer.chunk, torch.float32)
+    assert torch.isfinite(ref).all()
+    assert torch.isfinite(got).all(), f"{stem} {bad}: dq is not finite before the bad token"
+    assert rms_ratio(got, ref) < TOL
