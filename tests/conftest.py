@@ -32,3 +32,7 @@ def compiled():
 import interpreter_scan  # noqa: E402
 
 interpreter_scan.install()  # the interpreter's associative_scan one slice at a time (same bits)
+
+import interpreter_calls  # noqa: E402
+
+interpreter_calls.install()  # a helper called inside a launch skips the interpreter's repeated re-patching
