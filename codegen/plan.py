@@ -26,7 +26,7 @@ class Load:
     l2norm: bool
     lo: str = ""  # declared range as Triton literals ("" where unbounded): values outside are
     hi: str = ""  # clamped into it, on every path (the reference too)
-    per_head: bool = False  # a param: [HV] or [HV, K], loaded once per head, the same at every token
+    per_head: bool = False  # a param: [HV], [HV, K] or [HV, V], loaded once per head, the same at every token
 
 
 @dataclass(frozen=True)

@@ -96,13 +96,22 @@ def test_backward_bf16(path):
     h0 = torch.randn(B, HV, K, V, generator=gen, device="cuda")
     do = torch.randn(B, T, HV, V, generator=gen, device="cuda")
     dht = torch.randn(B, HV, K, V, generator=gen, device="cuda")
+    weights = {}
+
+    def daux(name, t):  # one random weight tensor per auxiliary final state, the same for both runs
+        if name not in weights:
+            weights[name] = torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64)
+        return weights[name]
 
     def grads(fn, dtype):
         leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
         h = h0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
         o, s = fn(**leaves, initial_state=h, output_final_state=True)
-        s = s.S if isinstance(s, lrdsl.MixerState) else s  # auxiliary final states carry no gradient
-        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
+        loss = (o.double() * do.double()).sum()
+        if isinstance(s, lrdsl.MixerState):  # every part of a whole final state (the ATK's P too)
+            loss = loss + sum((t.double() * daux(n, t)).sum() for n, t in s.aux.items())
+            s = s.S
+        (loss + (s.double() * dht.double()).sum()).backward()
         return {**{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
 
     ref = grads(mixer.reference, torch.float64)
