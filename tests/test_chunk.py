@@ -130,7 +130,10 @@ def test_novel_spec_written_for_the_tests(case_id, compiled):
     assert out.ok, out.message
 
 
-@pytest.mark.parametrize("strong", [False, True], ids=["tensor-core blocks", "exact blocks"])
+# strong=True has both kinds of blocks (one takes the exact path, the others tensor cores): pytest -q;
+# strong=False (tensor cores only) under -m slow
+@pytest.mark.parametrize("strong", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["tensor-core blocks", "exact blocks"])
 @pytest.mark.parametrize("name", ["kda", "gla", "precond_kda"])
 def test_staged_forward_for_per_channel_decays(name, strong, compiled):
     """The staged forward with a decay per key channel builds each 16-token diagonal block on
