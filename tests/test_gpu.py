@@ -364,7 +364,12 @@ def test_nonfinite_causal_gpu(name):
     with torch.no_grad():
         o, s = mixer.chunk(**x, initial_state=h0, output_final_state=True)
     assert torch.isfinite(o[0, :421]).all() and torch.isfinite(o[1, :512]).all()
-    for part, got, ref in (("o", o, ref_o), ("S", s, ref_s)):
+    parts = [("o", o, ref_o)]
+    if isinstance(ref_s, lrdsl.MixerState):  # a whole state: S and each auxiliary state
+        parts += [("S", s.S, ref_s.S)] + [(n, s.aux[n], t) for n, t in ref_s.aux.items()]
+    else:
+        parts.append(("S", s, ref_s))
+    for part, got, ref in parts:
         fin = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(got), fin), (part, (torch.isfinite(got) != fin).nonzero()[:4].tolist())
         err = rms_ratio(got[fin], ref[fin])
