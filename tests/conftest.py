@@ -8,6 +8,9 @@ import tempfile
 
 if os.environ.get("LRDSL_TEST_DEVICE", "cpu") != "cuda":
     os.environ["TRITON_INTERPRET"] = "1"
+    # the tests' tensors are tiny: a second intra-op thread only spins, and on a shared 2-core machine
+    # it made the suite up to 1.7x slower (subprocesses the tests start inherit this too)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("LRDSL_CACHE_DIR", tempfile.mkdtemp(prefix="lrdsl-test-cache-"))
 
 
