@@ -78,8 +78,13 @@ class Mixer:
     def chunk_op(self):
         """The chunked kernels as one torch.library op (forward, backward, fake implementation)."""
         if self._op is None:
-            from .autograd import chunk_op
-            self._op = chunk_op(self.ir, self.kernels, self.kernels.__name__.rsplit("_", 1)[-1])
+            key = self.kernels.__name__.rsplit("_", 1)[-1]
+            if self.ir.solve_lam is not None:  # the offline solve's (taken under torch.compile)
+                from .offline_op import offline_op
+                self._op = offline_op(self, key)
+            else:
+                from .autograd import chunk_op
+                self._op = chunk_op(self.ir, self.kernels, key)
         return self._op
 
     def recurrent(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
@@ -183,8 +188,15 @@ class Mixer:
         return o
 
     def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, **inputs):
-        """The chunk-parallel kernels; same signature and results as reference."""
+              cu_seqlens=None, cp_group=None, **inputs):
+        """The chunk-parallel kernels; same signature and results as reference.
+
+        cp_group (a torch.distributed process group): context parallelism. Each rank passes its
+        contiguous slice of the tokens and the global initial_state and cu_seqlens; see lrdsl/cp.py."""
+        if cp_group is not None:
+            from . import cp
+            return cp.chunk(self, q, k, v, scale, initial_state, output_final_state, cu_seqlens, inputs,
+                            cp_group)
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
         if self.ir.solve_lam is not None:
             from . import offline
@@ -272,5 +284,5 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
         if importlib.util.find_spec("triton") is not None and m.solve_lam is None:
             mixer.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
         elif importlib.util.find_spec("triton") is not None and m.decay.kind != "diagonal":
-            mixer.kernels  # noqa: B018 (the offline solve's module: generated, cached, loaded)
+            mixer.chunk_op  # noqa: B018 (the offline solve's module and op: generated, cached, registered)
     return mixer

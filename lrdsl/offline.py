@@ -92,6 +92,12 @@ def chunk(mixer, batch):
     tensors = [batch.tensors[n] for n in names]
     starts = [batch.initial_state, batch.initial_gram]
     aux0 = list(batch.initial_aux or ())
+    if torch.compiler.is_compiling():  # one opaque op: no graph break (offline_op.py)
+        o, ST, GT, aux = mixer.chunk_op(tensors, *starts, aux0, batch.scale, batch.cu_seqlens, bool(batch.output_final_state))
+        if not batch.output_final_state:
+            return o, None
+        widths = [batch.K if a.kind == "K" else batch.V for a in m.aux]
+        return o, state_out(m, ST, GT, list(torch.split(aux, widths, dim=-1)) if widths else [])
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in [*tensors, *starts, *aux0])
     if not grad:
         o, final = mixer.kernels.chunk_fwd(inputs, batch.scale, state_in(m, batch), batch.output_final_state, cu)

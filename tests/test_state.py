@@ -179,3 +179,46 @@ def test_gradients_through_the_whole_state(name, start, compiled, monkeypatch):
     errors = {n: rms_ratio(got[n], ref[n]) for n in ref}
     bad = {n: e for n, e in errors.items() if not e < (tol if n in ("q", "k", "v", "S0") else 10 * tol)}
     assert not bad, errors
+
+
+@pytest.mark.parametrize("name", ["mesa_aux", pytest.param("mesa", marks=pytest.mark.slow)])
+def test_offline_solve_under_torch_compile(name, compiled, monkeypatch):
+    """torch.compile (aot_eager, fullgraph: a graph break raises) of a loss through an offline
+    solve's chunk from a whole state: one graph, and the loss and the gradients of every input and
+    every part of the initial state equal eager's (which keeps the forward's intermediates, where
+    the compiled op recomputes them)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    mixer = _grad_mixer(name, "whole", compiled, monkeypatch)
+    # batched, not packed: validating cu_seqlens reads them on the host (a graph break for any spec)
+    case = Case(B=2, T=23, H=2, HV=4, K=16, V=12, initial_state=True, seed=29)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    first = mixer.reference(**x, **opts)[1]
+    gen = torch.Generator().manual_seed(6)
+    names = list(x)
+    start = {"S": first.S, **first.aux}
+    weights = {n: torch.randn(*t.shape, generator=gen).to(DEVICE) for n, t in start.items()}
+    do = torch.randn(2, 23, 4, 12, generator=gen).to(DEVICE)
+
+    def f(*leaves):
+        xs, parts = dict(zip(names, leaves)), dict(zip(start, leaves[len(names):]))
+        h0 = lrdsl.MixerState(parts["S"], {n: parts[n] for n in first.aux})
+        o, s = mixer.chunk(**xs, initial_state=h0, output_final_state=True, scale=opts["scale"],
+                           cu_seqlens=opts["cu_seqlens"])
+        finals = {"S": s.S, **s.aux}
+        return (o * do).sum() + sum((finals[n] * weights[n]).sum() for n in start)
+
+    def run(fn):
+        leaves = [x[n].float().detach().requires_grad_() for n in names] + \
+                 [t.float().detach().requires_grad_() for t in start.values()]
+        loss = fn(*leaves)
+        return loss.detach(), torch.autograd.grad(loss, leaves)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    loss_c, grads_c = run(torch.compile(f, backend=counter, fullgraph=True))
+    loss_e, grads_e = run(f)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled"
+    assert abs(loss_c.item() - loss_e.item()) <= 1e-5 * abs(loss_e.item()) + 1e-5
+    for n, gc, ge in zip(names + list(start), grads_c, grads_e):
+        assert gc is not None and gc.shape == ge.shape, n
+        assert rms_ratio(gc, ge) < 1e-5, f"d{n}: compiled vs eager {rms_ratio(gc, ge):.3g}"
