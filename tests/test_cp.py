@@ -1,0 +1,218 @@
+"""Context parallelism (mixer.chunk(..., cp_group=group)) on CPU: world sizes 2 and 4, spawned
+processes talking over gloo, kernels in Triton's interpreter.
+
+Each rank holds a contiguous slice of the tokens (a batch, or packed sequences some of which straddle
+ranks, one over three ranks, with empty ones at and beside rank boundaries). The parent runs the
+single-process chunk and the float64 reference over the whole sequence; it compares the ranks'
+outputs, the final states of the sequences that end on each rank, and the gradients of
+loss = (o * do).sum() + sum over the parts of the final state of (part * weight).sum()
+with respect to every input, param and part of the initial state (the ranks' gradients of the
+initial state and params summed, as any replicated tensor's) with both: rms ratio < 1e-4 for o, the
+state and dq, dk, dv, dh0, < 1e-3 for the other inputs (tests/test_backward.py's tolerances).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import lrdsl
+from lrdsl.errors import InputError
+from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+from specgen import kernel_examples
+
+EXAMPLES = {p.stem: p for p in kernel_examples()}
+ROOT = Path(__file__).resolve().parent.parent
+TOL_GATE = 1e-3
+
+
+@dataclass(frozen=True)
+class Split:
+    """A case split over ranks: the global Case and each rank's number of tokens."""
+    case: Case
+    lengths: tuple
+
+
+SPLITS = {
+    "w2-varlen": Split(Case(B=1, T=105, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 30, 75, 75, 105),
+                            initial_state=True, seed=11), (55, 50)),
+    "w2-batched": Split(Case(B=2, T=97, H=1, HV=2, K=16, V=16, initial_state=True, seed=12), (45, 52)),
+    "w2-varlen-boundary": Split(Case(B=1, T=105, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 55, 55, 105),
+                                     initial_state=True, seed=13), (55, 50)),
+    "w2-batched-K16-V8": Split(Case(B=1, T=90, H=1, HV=1, K=16, V=8, initial_state=True, seed=14), (41, 49)),
+    "w4-varlen": Split(Case(B=1, T=190, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 20, 140, 140, 160, 190),
+                            initial_state=True, seed=15), (45, 50, 40, 55)),
+    "w4-batched": Split(Case(B=2, T=186, H=1, HV=2, K=16, V=16, initial_state=True, seed=16), (41, 47, 48, 50)),
+}
+DEFAULT = ("gated_deltanet", "w2-varlen")
+
+
+# ---- one call's inputs, loss and gradients (the same function in the parent and in each rank) ------
+def inputs(mixer, case: Case):
+    """(x, initial state, cu_seqlens): drawn from the case's seed; a whole initial state (with random
+    non-negative auxiliary states) for a mixer with auxiliary states."""
+    x, opts = draw_inputs(mixer, case)
+    for i in mixer.ir.inputs:  # weak decays: a rank's map L must not vanish over its ~50 tokens
+        if i.log:
+            x[i.name] = x[i.name] * 0.02
+    if "A_log" in x:
+        x["A_log"] = x["A_log"] - 4.0
+    h0 = opts["initial_state"]
+    if mixer.ir.aux:
+        g = torch.Generator().manual_seed(case.seed + 100)
+        h0 = lrdsl.MixerState(h0, {a.name: torch.rand(case.N, case.HV, case.K if a.kind == "K" else case.V,
+                                                         generator=g) for a in mixer.ir.aux})
+    return x, h0, opts["cu_seqlens"]
+
+
+def parts(state) -> dict:
+    return {"S": state.S, **state.aux} if isinstance(state, lrdsl.MixerState) else {"S": state}
+
+
+def weights(case: Case, o_shape, state) -> tuple:
+    """Upstream gradients: of o and of each part of the final state (global shapes)."""
+    g = torch.Generator().manual_seed(case.seed + 200)
+    do = torch.randn(o_shape, generator=g)
+    return do, {n: torch.randn(t.shape, generator=g) for n, t in sorted(parts(state).items())}
+
+
+def leaves_of(x, h0, dtype):
+    leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in x.items()}
+    if isinstance(h0, lrdsl.MixerState):
+        S = h0.S.detach().to(dtype).requires_grad_()
+        aux = {n: t.detach().to(dtype).requires_grad_() for n, t in h0.aux.items()}
+        leaves.update({"h0." + n: t for n, t in aux.items()}, **{"h0.S": S})
+        return leaves, lrdsl.MixerState(S, aux)
+    leaves["h0.S"] = h0.detach().to(dtype).requires_grad_()
+    return leaves, leaves["h0.S"]
+
+
+def whole(fn, mixer, case, x, h0, cu, dtype):
+    """o, final parts and gradients of the single-process call fn (chunk or reference)."""
+    leaves, init = leaves_of(x, h0, dtype)
+    o, fin = fn(**{n: leaves[n] for n in x}, initial_state=init, cu_seqlens=cu, output_final_state=True)
+    do, dfin = weights(case, o.shape, fin)
+    loss = (o * do.to(dtype)).sum() + sum((parts(fin)[n] * w.to(dtype)).sum() for n, w in dfin.items())
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return o, parts(fin), dict(zip(leaves, grads))
+
+
+def worker(rank, world, port, spec, split: Split, out_dir):
+    os.environ["LRDSL_CP_TEST_RANK"] = str(rank)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import interpreter_calls
+        import interpreter_scan
+        interpreter_scan.install()
+        interpreter_calls.install()
+    import datetime
+
+    import torch.distributed as dist
+    from lrdsl.cp import pieces
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        case = split.case
+        mixer = lrdsl.compile(spec)
+        x, h0, cu = inputs(mixer, case)
+        t0 = sum(split.lengths[:rank])
+        t1 = t0 + split.lengths[rank]
+        per_token = {"q", "k", "v", *mixer.inputs}
+        leaves, init = leaves_of(x, h0, torch.float32)
+        local = {n: (leaves[n][:, t0:t1] if n in per_token else leaves[n]) for n in x}
+        o, fin = mixer.chunk(**local, initial_state=init, cu_seqlens=cu, output_final_state=True,
+                             cp_group=dist.group.WORLD)
+        me = pieces(None if cu is None else cu.tolist(), case.B, list(split.lengths))[rank]
+        # the rows of the sequences whose last token is on this rank (a batch: all, on the last rank)
+        if cu is None:
+            ending = list(range(case.B)) if rank == world - 1 else []
+        else:
+            c = cu.tolist()
+            ending = [j for j in range(me.first, me.last + 1) if c[j + 1] <= t1]
+        do, dfin = weights(case, (case.B, case.T, case.HV, case.V), h0 if h0 is not None else fin)
+        loss = (o * do[:, t0:t1]).sum()
+        for n, w in dfin.items():
+            rows = [j - me.first for j in ending]
+            loss = loss + (parts(fin)[n][rows] * w[ending]).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        g = {n: (t[:, t0:t1] if n in per_token else t) for n, t in zip(leaves, grads)}
+        torch.save({"o": o.detach(), "ending": ending,
+                    "fin": {n: t.detach()[[j - me.first for j in ending]] for n, t in parts(fin).items()},
+                    "grads": g}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cp(spec, split: Split) -> list:
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(len(split.lengths), free_port(), str(spec), split, d),
+                 nprocs=len(split.lengths), join=True)
+        return [torch.load(os.path.join(d, f"{r}.pt")) for r in range(len(split.lengths))]
+
+
+def check(name, split_name, compiled):
+    spec, split = EXAMPLES[name], SPLITS[split_name]
+    case = split.case
+    mixer = compiled(spec)
+    x, h0, cu = inputs(mixer, case)
+    single = whole(mixer.chunk, mixer, case, x, h0, cu, torch.float32)
+    ref = whole(mixer.reference, mixer, case, x, h0, cu, torch.float64)
+    ranks = run_cp(spec, split)
+    per_token = {"q", "k", "v", *mixer.inputs}
+    o = torch.cat([r["o"] for r in ranks], 1)
+    fin = {n: torch.zeros_like(t) for n, t in single[1].items()}
+    seen = []
+    for r in ranks:
+        seen += r["ending"]
+        for n, t in r["fin"].items():
+            fin[n][r["ending"]] = t
+    assert sorted(seen) == list(range(case.N)), f"every sequence ends on one rank: {seen}"
+    grads = {n: (torch.cat([r["grads"][n] for r in ranks], 1) if n in per_token
+                 else sum(r["grads"][n] for r in ranks)) for n in single[2]}
+    errors = {}
+    for what, (o_b, fin_b, g_b) in (("chunk", single), ("reference", ref)):
+        errors[what, "o"] = rms_ratio(o, o_b)
+        errors.update({(what, n): rms_ratio(t, fin_b[n]) for n, t in fin.items()})
+        errors.update({(what, "d" + n): rms_ratio(t, g_b[n]) for n, t in grads.items()})
+    tol = {k: (TOL if k[1] in ("o", "dq", "dk", "dv") or k[1] in fin or k[1].startswith("dh0") else TOL_GATE)
+           for k in errors}
+    bad = {k: f"{e:.3g}" for k, e in errors.items() if not e < tol[k]}
+    assert not bad, f"{name} {split_name}: {bad}"
+
+
+CASES = [pytest.param(n, s, marks=() if (n, s) == DEFAULT else pytest.mark.slow)
+         for s in SPLITS for n in EXAMPLES]
+
+
+@pytest.mark.parametrize("name,split_name", CASES)
+def test_cp_matches_single_process_and_reference(name, split_name, compiled):
+    check(name, split_name, compiled)
+
+
+def test_cp_layout_of_straddling_and_empty_sequences():
+    from lrdsl.cp import pieces
+    got = pieces([0, 20, 140, 140, 160, 190], 1, [45, 50, 40, 55])
+    assert [(p.first, p.last, p.cu, p.from_left, p.through) for p in got] == [
+        (0, 1, (0, 20, 45), False, False), (1, 1, (0, 50), True, True), (1, 1, (0, 40), True, True),
+        (1, 4, (0, 5, 5, 25, 55), True, False)]
+    # an empty sequence at a rank boundary belongs to the rank that starts there
+    got = pieces([0, 55, 55, 105], 1, [55, 50])
+    assert [(p.first, p.last, p.from_left) for p in got] == [(0, 0, False), (1, 2, False)]
+
+
+def test_cp_refuses_the_offline_solve():
+    mixer = lrdsl.compile(ROOT / "examples" / "mesa.lr", load_kernels=False)
+    x, opts = draw_inputs(mixer, Case(B=1, T=8, H=1, HV=1, K=4, V=4))
+    with pytest.raises(InputError, match="offline solve"):
+        mixer.chunk(**x, cp_group=object())
