@@ -81,29 +81,35 @@ def weights(case: Case, o_shape, state) -> tuple:
     return do, {n: torch.randn(t.shape, generator=g) for n, t in sorted(parts(state).items())}
 
 
-def leaves_of(x, h0, dtype):
-    leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in x.items()}
+def leaves_of(x, h0, dtype, device="cpu"):
+    leaves = {n: t.detach().to(device, dtype).requires_grad_() for n, t in x.items()}
     if isinstance(h0, lrdsl.MixerState):
-        S = h0.S.detach().to(dtype).requires_grad_()
-        aux = {n: t.detach().to(dtype).requires_grad_() for n, t in h0.aux.items()}
+        S = h0.S.detach().to(device, dtype).requires_grad_()
+        aux = {n: t.detach().to(device, dtype).requires_grad_() for n, t in h0.aux.items()}
         leaves.update({"h0." + n: t for n, t in aux.items()}, **{"h0.S": S})
         return leaves, lrdsl.MixerState(S, aux)
-    leaves["h0.S"] = h0.detach().to(dtype).requires_grad_()
+    leaves["h0.S"] = h0.detach().to(device, dtype).requires_grad_()
     return leaves, leaves["h0.S"]
 
 
-def whole(fn, mixer, case, x, h0, cu, dtype):
+def whole(fn, mixer, case, x, h0, cu, dtype, device="cpu"):
     """o, final parts and gradients of the single-process call fn (chunk or reference)."""
-    leaves, init = leaves_of(x, h0, dtype)
+    leaves, init = leaves_of(x, h0, dtype, device)
+    cu = None if cu is None else cu.to(device)
     o, fin = fn(**{n: leaves[n] for n in x}, initial_state=init, cu_seqlens=cu, output_final_state=True)
     do, dfin = weights(case, o.shape, fin)
-    loss = (o * do.to(dtype)).sum() + sum((parts(fin)[n] * w.to(dtype)).sum() for n, w in dfin.items())
+    loss = (o * do.to(device, dtype)).sum() + sum((parts(fin)[n] * w.to(device, dtype)).sum()
+                                                  for n, w in dfin.items())
     grads = torch.autograd.grad(loss, list(leaves.values()))
-    return o, parts(fin), dict(zip(leaves, grads))
+    cpu = lambda t: t.detach().cpu()  # noqa: E731
+    return cpu(o), {n: cpu(t) for n, t in parts(fin).items()}, {n: cpu(g) for n, g in zip(leaves, grads)}
 
 
-def worker(rank, world, port, spec, split: Split, out_dir):
-    os.environ["LRDSL_CP_TEST_RANK"] = str(rank)
+def worker(rank, world, port, spec, split: Split, out_dir, backend="gloo"):
+    device = "cpu"
+    if backend == "nccl":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
     if os.environ.get("TRITON_INTERPRET") == "1":
         import interpreter_calls
         import interpreter_scan
@@ -113,7 +119,7 @@ def worker(rank, world, port, spec, split: Split, out_dir):
 
     import torch.distributed as dist
     from lrdsl.cp import pieces
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
         case = split.case
@@ -122,7 +128,8 @@ def worker(rank, world, port, spec, split: Split, out_dir):
         t0 = sum(split.lengths[:rank])
         t1 = t0 + split.lengths[rank]
         per_token = {"q", "k", "v", *mixer.inputs}
-        leaves, init = leaves_of(x, h0, torch.float32)
+        leaves, init = leaves_of(x, h0, torch.float32, device)
+        cu = None if cu is None else cu.to(device)
         local = {n: (leaves[n][:, t0:t1] if n in per_token else leaves[n]) for n in x}
         o, fin = mixer.chunk(**local, initial_state=init, cu_seqlens=cu, output_final_state=True,
                              cp_group=dist.group.WORLD)
@@ -134,14 +141,14 @@ def worker(rank, world, port, spec, split: Split, out_dir):
             c = cu.tolist()
             ending = [j for j in range(me.first, me.last + 1) if c[j + 1] <= t1]
         do, dfin = weights(case, (case.B, case.T, case.HV, case.V), h0 if h0 is not None else fin)
-        loss = (o * do[:, t0:t1]).sum()
+        loss = (o * do[:, t0:t1].to(device)).sum()
         for n, w in dfin.items():
             rows = [j - me.first for j in ending]
-            loss = loss + (parts(fin)[n][rows] * w[ending]).sum()
+            loss = loss + (parts(fin)[n][rows] * w[ending].to(device)).sum()
         grads = torch.autograd.grad(loss, list(leaves.values()))
-        g = {n: (t[:, t0:t1] if n in per_token else t) for n, t in zip(leaves, grads)}
-        torch.save({"o": o.detach(), "ending": ending,
-                    "fin": {n: t.detach()[[j - me.first for j in ending]] for n, t in parts(fin).items()},
+        g = {n: (t[:, t0:t1] if n in per_token else t).cpu() for n, t in zip(leaves, grads)}
+        torch.save({"o": o.detach().cpu(), "ending": ending,
+                    "fin": {n: t.detach()[[j - me.first for j in ending]].cpu() for n, t in parts(fin).items()},
                     "grads": g}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -153,22 +160,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cp(spec, split: Split) -> list:
+def run_cp(spec, split: Split, backend="gloo") -> list:
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(worker, args=(len(split.lengths), free_port(), str(spec), split, d),
+        mp.spawn(worker, args=(len(split.lengths), free_port(), str(spec), split, d, backend),
                  nprocs=len(split.lengths), join=True)
         return [torch.load(os.path.join(d, f"{r}.pt")) for r in range(len(split.lengths))]
 
 
-def check(name, split_name, compiled):
-    spec, split = EXAMPLES[name], SPLITS[split_name]
-    case = split.case
+def check(name, split, compiled, backend="gloo"):
+    spec, case = EXAMPLES[name], split.case
     mixer = compiled(spec)
     x, h0, cu = inputs(mixer, case)
-    single = whole(mixer.chunk, mixer, case, x, h0, cu, torch.float32)
+    single = whole(mixer.chunk, mixer, case, x, h0, cu, torch.float32, "cuda" if backend == "nccl" else "cpu")
     ref = whole(mixer.reference, mixer, case, x, h0, cu, torch.float64)
-    ranks = run_cp(spec, split)
+    ranks = run_cp(spec, split, backend)
     per_token = {"q", "k", "v", *mixer.inputs}
     o = torch.cat([r["o"] for r in ranks], 1)
     fin = {n: torch.zeros_like(t) for n, t in single[1].items()}
@@ -188,7 +194,7 @@ def check(name, split_name, compiled):
     tol = {k: (TOL if k[1] in ("o", "dq", "dk", "dv") or k[1] in fin or k[1].startswith("dh0") else TOL_GATE)
            for k in errors}
     bad = {k: f"{e:.3g}" for k, e in errors.items() if not e < tol[k]}
-    assert not bad, f"{name} {split_name}: {bad}"
+    assert not bad, f"{name} {split}: {bad}"
 
 
 CASES = [pytest.param(n, s, marks=() if (n, s) == DEFAULT else pytest.mark.slow)
@@ -197,7 +203,7 @@ CASES = [pytest.param(n, s, marks=() if (n, s) == DEFAULT else pytest.mark.slow)
 
 @pytest.mark.parametrize("name,split_name", CASES)
 def test_cp_matches_single_process_and_reference(name, split_name, compiled):
-    check(name, split_name, compiled)
+    check(name, SPLITS[split_name], compiled)
 
 
 def test_cp_layout_of_straddling_and_empty_sequences():
