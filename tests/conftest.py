@@ -39,3 +39,7 @@ interpreter_scan.install()  # the interpreter's associative_scan one slice at a 
 import interpreter_calls  # noqa: E402
 
 interpreter_calls.install()  # a helper called inside a launch skips the interpreter's repeated re-patching
+
+import check_memo  # noqa: E402
+
+check_memo.install()  # the checker's facts once per spec (a pure function of the frozen IR)
