@@ -66,7 +66,9 @@ def test_a_folder_where_the_module_goes_falls_back(tmp_path, monkeypatch):
     assert hasattr(mod, "chunk") and len(warned) == 1
 
 
-@pytest.mark.parametrize("name", ["mpmath", "typing_extensions", "hypothesis"])
+# one Python start-up each: the same refusal for the other installed modules under -m slow
+@pytest.mark.parametrize("name", ["mpmath", *(pytest.param(n, marks=pytest.mark.slow)
+                                             for n in ("typing_extensions", "hypothesis"))])
 def test_compile_refuses_a_name_that_would_shadow_an_installed_module(name, tmp_path):
     path = tmp_path / "s.lr"
     path.write_text(spec(name))

@@ -51,7 +51,10 @@ def test_prefill_then_decode_equals_one_pass(compiled, name):
     assert err < 1e-5, f"{name}: prefill 13 + decode 1, 3, 7 tokens vs one pass: rms ratio {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["precond_deltanet", "gdn2_atk", "mesa_retention"])
+# gdn2_atk (the ATK's P) and mesa_retention (the Gram state G) in pytest -q; precond_deltanet (P again)
+# under -m slow
+@pytest.mark.parametrize("name", [pytest.param("precond_deltanet", marks=pytest.mark.slow), "gdn2_atk",
+                                  "mesa_retention"])
 def test_prefill_then_decode_with_auxiliary_states(compiled, name):
     """Mixers with auxiliary states (the ATK preconditioner's P, an offline solve's Gram state G):
     the Cache holds the whole state (an lrdsl.MixerState), decoding updates all of it in place,
