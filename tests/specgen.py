@@ -1,5 +1,7 @@
 """Random axis-form spec texts for Hypothesis (decay x gain x precond x normalize), shared by the
 kernel tests."""
+import functools
+
 from hypothesis import strategies as st
 
 DECAYS = ("none", "constant", "scalar", "diagonal")
@@ -40,19 +42,34 @@ def axis_specs(draw):
     return "\n".join(lines) + "\n"
 
 
-def kernel_examples():
+@functools.cache  # six test modules ask at import: parse the examples once
+def kernel_examples() -> tuple:
     """examples/*.lr of the general kernels (the offline solve's have their own: tests/test_mesa.py)."""
     from pathlib import Path
 
     from lrdsl.frontend import spec_to_ir
     root = Path(__file__).resolve().parent.parent / "examples"
-    return sorted(p for p in root.glob("*.lr") if spec_to_ir(p.read_text()).solve_lam is None)
+    return tuple(sorted(p for p in root.glob("*.lr") if spec_to_ir(p.read_text()).solve_lam is None))
 
 
 def default_first(case_ids, default):
     """pytest params of a matrix of cases: `default` (the richest: packed sequences, grouped value
     heads, an initial state) runs in `pytest -q`, the others under `-m slow`, which CI also runs,
-    so that every example meets every kernel in the default suite and every shape in CI."""
+    so that every example (but REPEATED_KERNELS) meets every kernel in the default suite and every
+    shape in CI."""
     import pytest
     assert default in case_ids
     return [pytest.param(c, marks=() if c == default else pytest.mark.slow) for c in case_ids]
+
+
+# examples whose kernels are another example's but for a constant (gated_deltanet_negeig: gated_deltanet's
+# with beta clamped at 2 instead of 1): their rows of the kernel matrices run under -m slow
+REPEATED_KERNELS = {"gated_deltanet_negeig"}
+
+
+def example_params(paths):
+    """pytest params of the example specs of a kernel matrix, one id per stem: those in
+    REPEATED_KERNELS under -m slow, the others in pytest -q."""
+    import pytest
+    return [pytest.param(p, id=p.stem, marks=pytest.mark.slow if p.stem in REPEATED_KERNELS else ())
+            for p in paths]

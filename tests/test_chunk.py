@@ -15,7 +15,7 @@ import lrdsl
 from lrdsl.fuzz import TOL, Case, check_case, draw_inputs, rms_ratio
 
 import pytest
-from specgen import axis_specs, default_first
+from specgen import axis_specs, default_first, example_params
 from test_recurrent import CASES, DEVICE, EXAMPLES, PoisonTorch, small_cases, state_parts
 
 
@@ -26,7 +26,7 @@ def reference(mixer, x, opts):
 
 
 @pytest.mark.parametrize("case_id", default_first(list(CASES), "varlen-T37-H2-HV4-K20-V12-h0"))
-@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+@pytest.mark.parametrize("spec", example_params(EXAMPLES))
 def test_example_chunk_matches_reference(spec, case_id, compiled, monkeypatch):
     mixer = compiled(spec)
     poison = PoisonTorch()

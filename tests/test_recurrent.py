@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import lrdsl
 from lrdsl.fuzz import TOL, Case, check_case, draw_inputs, rms_ratio
-from specgen import axis_specs, default_first, kernel_examples
+from specgen import axis_specs, default_first, example_params, kernel_examples
 
 EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)
 DEVICE = "cuda" if os.environ.get("LRDSL_TEST_DEVICE") == "cuda" else "cpu"
@@ -61,7 +61,7 @@ class PoisonTorch:
 
 
 @pytest.mark.parametrize("case_id", default_first(list(CASES), "varlen-T37-H2-HV4-K20-V12-h0"))
-@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+@pytest.mark.parametrize("spec", example_params(EXAMPLES))
 def test_example_recurrent_matches_reference(spec, case_id, compiled, monkeypatch):
     mixer = compiled(spec)
     case = CASES[case_id]
