@@ -121,7 +121,7 @@ def test_random_axis_spec_chunk_matches_reference(text, case):
 NOVEL = Path(__file__).resolve().parent / "specs" / "novel_test_only.lr"
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", default_first(list(CASES), "varlen-T37-H2-HV4-K20-V12-h0"))
 def test_novel_spec_written_for_the_tests(case_id, compiled):
     """A transition that no library ships and that is not in examples/: forward, recurrent and
     gradients against the float64 reference."""

@@ -189,12 +189,27 @@ def test_primitives_outside_their_domain_are_spec_errors(expr, line):
     lrdsl.compile(text=text.replace("beta in [-1, 1]", "beta in (0, 1)"), load_kernels=False)
 
 
+# through cli.main in this process in pytest -q; a real `python -m lrdsl.cli` (a Python start-up
+# importing torch) under -m slow
+@pytest.mark.parametrize("process", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["in-process", "subprocess"])
 @pytest.mark.parametrize("args,message", [(["--shape", "4,4096"], "five positive integers"),
                                           ([], "CUDA")])
-def test_bench_misuse_is_one_clear_error(args, message):
+def test_bench_misuse_is_one_clear_error(args, message, process):
+    import contextlib
+    import io
+
     import torch
     if message == "CUDA" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the no-GPU error cannot occur")
-    proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "bench", *args, str(ROOT / "examples" / "mamba2.lr")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr
+    argv = ["bench", *args, str(ROOT / "examples" / "mamba2.lr")]
+    if process:
+        proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", *argv], capture_output=True, text=True, timeout=120)
+        rc, stderr = proc.returncode, proc.stderr
+    else:
+        from lrdsl import cli
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = cli.main(argv)
+        stderr = err.getvalue()
+    assert rc == 1 and "Traceback" not in stderr and message in stderr, stderr
