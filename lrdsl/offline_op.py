@@ -108,7 +108,7 @@ def offline_op(mixer, key: str):
                     output_final_state, output[0].shape)
 
     def backward(ctx, do, dST, dGT, daux):
-        n, has_s, has_g, n_aux, scale, cu_seqlens, output_final_state, o_shape = ctx.meta
+        n, has_s, has_g, _, scale, cu_seqlens, output_final_state, o_shape = ctx.meta
         saved = list(ctx.saved_tensors)
         tensors = saved[:n]
         S0 = saved[n] if has_s else None
@@ -124,7 +124,7 @@ def offline_op(mixer, key: str):
         grads = [g if need else None for g, need in zip(res[:n], needs)]
         dS0 = res[n] if has_s else None
         dG0 = res[n + 1] if has_g else None
-        return grads, dS0, dG0, list(res[n + 2:]) if n_aux else None, None, None, None
+        return grads, dS0, dG0, list(res[n + 2:]), None, None, None  # a list, empty without aux
 
     fwd.register_autograd(backward, setup_context=setup_context)
     _OPS[key] = fwd
