@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .offline import host_inputs, state_in
 from .tensors import Batch
 
 _OPS = {}
@@ -34,28 +35,19 @@ def offline_op(mixer, key: str):
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         return B, T, H, v.shape[2], K, v.shape[3], N
 
-    def state(S0, G0, aux0, tensors, cu_seqlens):
-        if S0 is None and G0 is None and not aux0:
-            return None
-        B, T, H, HV, K, V, N = sizes(tensors, cu_seqlens)
-        f32 = dict(dtype=torch.float32, device=tensors[0].device)
-
-        def part(t, *shape):
-            return torch.zeros(*shape, **f32) if t is None else t.to(torch.float32).contiguous()
-        aux = list(aux0) if aux0 else [None] * len(m.aux)
-        return (part(S0, N, HV, K, V), part(G0, N, HV, K, K),
-                [part(t, N, HV, w) for t, w in zip(aux, widths_of(K, V))])
-
-    def host(tensors, cu_seqlens):
-        inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
-        return inputs, (cu_seqlens.to(torch.int64).contiguous() if cu_seqlens is not None else None)
+    def batch_of(tensors, S0, G0, aux0, scale, cu_seqlens, output_final_state):
+        # the Batch offline.chunk had validated, so its host helpers serve the op too
+        B, T, H, HV, K, V, _ = sizes(tensors, cu_seqlens)
+        return Batch(dict(zip(names, tensors)), B, T, H, HV, K, V, scale, S0, output_final_state,
+                     cu_seqlens, initial_aux=tuple(aux0) if aux0 else None, initial_gram=G0)
 
     @torch.library.custom_op(lib + "_fwd", mutates_args=())
     def fwd(tensors: list[torch.Tensor], S0: torch.Tensor | None, G0: torch.Tensor | None,
             aux0: list[torch.Tensor], scale: float, cu_seqlens: torch.Tensor | None,
             output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs, cu = host(tensors, cu_seqlens)
-        o, final = module.chunk_fwd(inputs, scale, state(S0, G0, aux0, tensors, cu_seqlens), output_final_state, cu)
+        batch = batch_of(tensors, S0, G0, aux0, scale, cu_seqlens, output_final_state)
+        inputs, cu = host_inputs(mixer, batch)
+        o, final = module.chunk_fwd(inputs, scale, state_in(m, batch), output_final_state, cu)
         if final is None:
             empty = o.new_empty(0, dtype=torch.float32)
             return o, empty, empty.clone(), empty.clone()
@@ -79,13 +71,11 @@ def offline_op(mixer, key: str):
             dST: torch.Tensor | None, dGT: torch.Tensor | None, daux: torch.Tensor | None,
             needs: list[bool]) -> list[torch.Tensor]:
         from .autograd import vector_chain_rule
-        inputs, cu = host(tensors, cu_seqlens)
-        B, T, H, HV, K, V, N = sizes(tensors, cu_seqlens)
-        st = state(S0, G0, aux0, tensors, cu_seqlens)
+        batch = batch_of(tensors, S0, G0, aux0, scale, cu_seqlens, False)
+        inputs, cu = host_inputs(mixer, batch)
         dht = (None if dST is None else dST.contiguous(), None if dGT is None else dGT.contiguous())
-        vgrads, dS0, dG0 = module.chunk_bwd(inputs, scale, st, do.contiguous(), dht, cu)  # recomputes
-        batch = Batch(dict(zip(names, tensors)), B, T, H, HV, K, V, scale, None, False, cu_seqlens)
-        dfinal = torch.split(daux, widths_of(K, V), dim=-1) if daux is not None else ()
+        vgrads, dS0, dG0 = module.chunk_bwd(inputs, scale, state_in(m, batch), do.contiguous(), dht, cu)  # recomputes
+        dfinal = torch.split(daux, widths_of(batch.K, batch.V), dim=-1) if daux is not None else ()
         grads, daux0 = vector_chain_rule(m, batch, names, list(tensors), needs, vgrads,
                                          list(aux0) if aux0 else None, dfinal)
         out = [g if g is not None else t.new_empty(0) for g, t in zip(grads, tensors)]
