@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one forward (and with --backward, forward + backward) of each spec.
 
-Usage (device machine): python benchmarks/profile_kernels.py SPEC [SPEC ...] [--backward]
-Shape B=4 T=4096 H=16 K=V=128, bf16. Prints torch.profiler's table per spec.
+Usage (device machine): python benchmarks/profile_kernels.py SPEC [SPEC ...] [--backward] [--shape B,T,H,K,V]
+Shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise, bf16. Prints torch.profiler's table per spec.
 """
 import sys
 
@@ -9,12 +9,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import lrdsl
-from lrdsl.bench import Shape, draw
+from lrdsl.bench import Shape, draw, parse_shape
 
 backward = "--backward" in sys.argv
-for path in [a for a in sys.argv[1:] if not a.startswith("--")]:
+args = sys.argv[1:]
+shape = Shape()
+if "--shape" in args:
+    i = args.index("--shape")
+    shape = parse_shape(args[i + 1])
+    del args[i:i + 2]
+for path in [a for a in args if not a.startswith("--")]:
     m = lrdsl.compile(path)
-    x = draw(m, Shape())
+    x = draw(m, shape)
     if backward:
         for t in x.values():
             t.requires_grad_()
