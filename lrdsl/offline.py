@@ -138,7 +138,11 @@ class ChunkFunction(torch.autograd.Function):
         if do is None:
             do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
         dht = (None if dST is None else dST.contiguous(), None if dGT is None else dGT.contiguous())
-        vgrads, dS0, dG0 = ctx.mixer.kernels.chunk_bwd(inputs, batch.scale, ctx.state, do, dht, ctx.cu, ctx.saved)
+        # chunk_bwd frees the kept intermediates as it goes: handed over, not shared (a second
+        # backward through a retained graph finds None and recomputes them)
+        saved, ctx.saved = ctx.saved, None
+        vgrads, dS0, dG0 = ctx.mixer.kernels.chunk_bwd(inputs, batch.scale, ctx.state, do, dht, ctx.cu, saved)
+        del saved
         needs = ctx.needs_input_grad[6:]
         from .autograd import vector_chain_rule
         grads, daux0 = vector_chain_rule(m, batch, ctx.names, tensors, needs[:ctx.n], vgrads, aux0, daux)

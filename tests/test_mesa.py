@@ -247,6 +247,18 @@ def test_chunk_gradients_match_the_reference_autograd(which, compiled, small_chu
     assert all(e < 1e-4 for e in errors.values()), errors
 
 
+
+def test_a_retained_graph_takes_a_second_backward(compiled, small_chunks):
+    """The backward frees the forward's kept intermediates as it reads them; a second backward
+    through the same graph (retain_graph) recomputes them and gets the same gradients."""
+    mixer = small_chunks(compiled(SPEC))
+    x = {n: t.float().requires_grad_() for n, t in _inputs(mixer, B=1, T=20, H=1, HV=2, K=16, V=8, seed=12).items()}
+    w = torch.randn(1, 20, 2, 8, generator=torch.Generator().manual_seed(13))
+    loss = (mixer.chunk(**x)[0] * w).sum()
+    first = torch.autograd.grad(loss, list(x.values()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(x.values()))
+    assert all(torch.isfinite(a).all() and rms_ratio(b, a) < 1e-6 for a, b in zip(first, second))
+
 def test_few_steps_stay_within_the_cg_bound(compiled, small_chunks):
     """With n < K steps, each token's solution error obeys CG's bound from its own condition number
     kappa: ||x_n - x||_A <= 2 ((sqrt(kappa) - 1) / (sqrt(kappa) + 1))^n ||x_0 - x||_A (A-norm), so
