@@ -7,6 +7,8 @@ a sum of (vector gradient) x (partial derivative), summed over the channels wher
 fewer of them (a per-head input in a key-channel vector), then through the in-mixer L2 norm and
 the range clamp. A param's line is the same: its per-token terms, summed over the tokens by the
 host. sympy differentiates; `cse` shares the common subexpressions; texpr lowers them.
+The offline solve's backward (codegen/solve.py) ends in the same kernel, with two more key-channel
+vectors: the Gram state's other side kk (the key k) and the regulariser lam.
 Specs with auxiliary states (scans) keep the PyTorch chain rule: their inputs reach the vectors
 through a recurrence, not elementwise.
 """
@@ -36,6 +38,7 @@ class Chain:
     grads: tuple  # InputGrad, one per input
     log_decay: str  # unfloored log-decay text ("" without a data-dependent decay): where it is
     # below the kernels' floor, its gradient is zero
+    solve: bool = False  # the offline solve's: the vectors kk and lam too
 
 
 def _inline(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
@@ -54,12 +57,16 @@ def _lower(exprs: list, prefix: str, taken: set):
 
 
 def chain(m: ir.Mixer) -> Chain | None:
-    """The generated chain rule for a staged spec, or None where it cannot be generated."""
+    """The generated chain rule for a staged or offline-solve spec, or None where it cannot be
+    generated."""
     if m.aux:
         return None
     kv = {"u": m.write.key, "r": m.query}
     if m.delta is not None:
         kv["c"] = m.delta.c
+    if m.solve_lam is not None:
+        kv["kk"] = next(i.symbol for i in m.inputs if i.name == "k")
+        kv["lam"] = m.solve_lam
     if m.decay.kind == "diagonal":  # a key-channel vector like the others
         kv["gl"] = m.log_decay()
     kv = {n: _inline(m, e) for n, e in kv.items()}
@@ -85,4 +92,4 @@ def chain(m: ir.Mixer) -> Chain | None:
                             v_terms=tuple(("z", next(v_texts)) for _ in vt),
                             g_term=next(k_texts) if gd != 0 else "")
                   for (kt, gd), vt in zip(k_parts, v_parts))
-    return Chain(k_temps, v_temps, grads, raw_gl)
+    return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None)

@@ -7,18 +7,20 @@ reference solves exactly). Everything the templates need beyond the general plan
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lrdsl import ir
 from lrdsl.errors import LrdslError
 
+from .chain import chain
 from .plan import Plan, plan
 from .texpr import code, var
 
 
 @dataclass(frozen=True)
 class SolvePlan:
-    base: Plan  # loads, per-token expressions, decay and tiles of the general plan
+    base: Plan  # loads, per-token expressions, decay and tiles of the general plan; its chain is the
+    # backward's generated chain rule (None for specs with auxiliary states: PyTorch's)
     lam: str  # Triton text of the regulariser lam_t (one per key channel, or a broadcast scalar)
     gram_key: str  # block variable of k, the Gram state's other side (G = D G + u k^T)
     steps: int  # conjugate-gradient steps, the spec's `steps` (Mesa's 30 by default)
@@ -43,6 +45,12 @@ class SolvePlan:
     def decays(self) -> bool:
         return self.base.decay_kind != "identity"
 
+    @property
+    def decay_grad(self) -> bool:
+        """Whether the backward computes the per-token log-decay's gradient (a decay read from the
+        inputs; a constant one has none to pass on)."""
+        return self.base.decay_kind == "scalar"
+
 
 def solve_plan(m: ir.Mixer) -> SolvePlan:
     if m.solve_lam is None:
@@ -53,4 +61,5 @@ def solve_plan(m: ir.Mixer) -> SolvePlan:
                          "head (scalar or constant); with a decay per key channel the Gram state D G + u k^T "
                          "is not symmetric, so conjugate gradients do not apply (the reference still "
                          "solves it exactly)")
-    return SolvePlan(base=plan(m), lam=code(m.solve_lam), gram_key=var("k"), steps=m.solve_steps)
+    return SolvePlan(base=replace(plan(m), chain=chain(m)), lam=code(m.solve_lam), gram_key=var("k"),
+                     steps=m.solve_steps)

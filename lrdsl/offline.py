@@ -144,13 +144,23 @@ class ChunkFunction(torch.autograd.Function):
         vgrads, dS0, dG0 = ctx.mixer.kernels.chunk_bwd(inputs, batch.scale, ctx.state, do, dht, ctx.cu, saved)
         del saved
         needs = ctx.needs_input_grad[6:]
-        from .autograd import vector_chain_rule
-        grads, daux0 = vector_chain_rule(m, batch, ctx.names, tensors, needs[:ctx.n], vgrads, aux0, daux)
+        grads, daux0 = input_grads(ctx.mixer, batch, inputs, tensors, needs[:ctx.n], vgrads, aux0, daux)
         S0, G0 = ctx.starts
         dS0 = dS0.to(S0.dtype) if S0 is not None and ctx.needs_input_grad[4] else None
         dG0 = dG0.to(G0.dtype) if G0 is not None and ctx.needs_input_grad[5] else None
         daux0 = [g.to(d) if need else None for g, d, need in zip(daux0, ctx.aux_dtypes, needs[ctx.n:])]
         return (None, None, None, None, dS0, dG0, *grads, *daux0)
+
+
+def input_grads(mixer, batch, inputs, tensors, needs, vgrads, aux0=None, daux=()):
+    """(the inputs' gradients (None where not needed), the auxiliary initial states') from the
+    per-token vectors' vgrads: the generated chain-rule kernel where the module has one (specs
+    without auxiliary states), else PyTorch's (autograd.vector_chain_rule)."""
+    if mixer.kernels.HAS_CHAIN_RULE:
+        g = mixer.kernels.chain_rule(inputs, batch.scale, vgrads)
+        return [g[n] if need else None for n, need in zip(inputs, needs)], []
+    from .autograd import vector_chain_rule
+    return vector_chain_rule(mixer.ir, batch, list(inputs), tensors, needs, vgrads, aux0, daux)
 
 
 # ---- tolerances ------------------------------------------------------------------------------

@@ -70,14 +70,14 @@ def offline_op(mixer, key: str):
             aux0: list[torch.Tensor], scale: float, cu_seqlens: torch.Tensor | None, do: torch.Tensor,
             dST: torch.Tensor | None, dGT: torch.Tensor | None, daux: torch.Tensor | None,
             needs: list[bool]) -> list[torch.Tensor]:
-        from .autograd import vector_chain_rule
+        from .offline import input_grads
         batch = batch_of(tensors, S0, G0, aux0, scale, cu_seqlens, False)
         inputs, cu = host_inputs(mixer, batch)
         dht = (None if dST is None else dST.contiguous(), None if dGT is None else dGT.contiguous())
         vgrads, dS0, dG0 = module.chunk_bwd(inputs, scale, state_in(m, batch), do.contiguous(), dht, cu)  # recomputes
         dfinal = torch.split(daux, widths_of(batch.K, batch.V), dim=-1) if daux is not None else ()
-        grads, daux0 = vector_chain_rule(m, batch, names, list(tensors), needs, vgrads,
-                                         list(aux0) if aux0 else None, dfinal)
+        grads, daux0 = input_grads(mixer, batch, inputs, list(tensors), needs, vgrads,
+                                   list(aux0) if aux0 else None, dfinal)
         out = [g if g is not None else t.new_empty(0) for g, t in zip(grads, tensors)]
         out += [dS0.to(S0.dtype) if S0 is not None else do.new_empty(0),
                 dG0.to(G0.dtype) if G0 is not None else do.new_empty(0)]

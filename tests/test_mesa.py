@@ -259,6 +259,31 @@ def test_a_retained_graph_takes_a_second_backward(compiled, small_chunks):
     second = torch.autograd.grad(loss, list(x.values()))
     assert all(torch.isfinite(a).all() and rms_ratio(b, a) < 1e-6 for a, b in zip(first, second))
 
+
+@pytest.mark.parametrize("which", ["mesa", "retention"])
+def test_the_backward_ends_in_the_generated_chain_rule(which, compiled, small_chunks, monkeypatch):
+    """Specs without auxiliary states take the generated chain-rule kernel (the vectors kk and lam
+    included), not PyTorch's: with that one switched off, the gradients of every input (packed
+    sequences, grouped value heads) still match the float64 reference."""
+    import lrdsl.autograd
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("PyTorch's chain rule ran")
+    mixer = small_chunks(_spec(which, compiled))
+    assert mixer.kernels.HAS_CHAIN_RULE
+    x = _inputs(mixer, B=1, T=30, H=1, HV=2, K=16, V=8, seed=17)
+    cu = torch.tensor([0, 13, 30])
+    w = torch.randn(1, 30, 2, 8, generator=torch.Generator().manual_seed(18), dtype=torch.float64)
+
+    def grads(call, dtype):
+        xs = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+        return torch.autograd.grad((call(**xs, cu_seqlens=cu)[0] * w.to(dtype)).sum(), list(xs.values()))
+    want = grads(mixer.reference, torch.float64)
+    monkeypatch.setattr(lrdsl.autograd, "vector_chain_rule", refuse)
+    got = grads(mixer.chunk, torch.float32)
+    errors = {n: rms_ratio(a, b) for n, a, b in zip(x, got, want)}
+    assert all(e < 1e-4 for e in errors.values()), errors
+
 def test_few_steps_stay_within_the_cg_bound(compiled, small_chunks):
     """With n < K steps, each token's solution error obeys CG's bound from its own condition number
     kappa: ||x_n - x||_A <= 2 ((sqrt(kappa) - 1) / (sqrt(kappa) + 1))^n ||x_0 - x||_A (A-norm), so
