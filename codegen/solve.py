@@ -37,6 +37,7 @@ class SolvePlan:
     # K = 128 (fp32 state gradients) 32-wide value tiles and 8 warps fit in shared memory unspilled
     pair_bw: int = 32
     pair_warps: int = 8
+    decay_grad_rows: int = 1024  # tokens per step of the log-decay gradient's reverse sums (in sequence)
     # tl.dot precision of the CG products on the GPU (the interpreter computes fp32 exactly): tf32
     # keeps about 1e-3 of each product, which bounds how far CG gets; "tf32x3" or "ieee" cost more
     cg_precision: str = "tf32"

@@ -204,9 +204,11 @@ def _spec(which, compiled):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 16 tokens, so that short sequences cross several chunks."""
+    """Chunks of 16 tokens, so that short sequences cross several chunks (and blocks of the
+    log-decay gradient's reverse sums)."""
     def use(mixer):
         monkeypatch.setattr(mixer.kernels, "MESA_CHUNK", 16)
+        monkeypatch.setattr(mixer.kernels, "DECAY_GRAD_ROWS", 16)
         return mixer
     return use
 
