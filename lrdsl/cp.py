@@ -8,13 +8,20 @@ elementwise first-order scan, P_out = l * P_in + r, whose coefficients do not de
 
  1. the auxiliary maps (l, r) of every rank are all-gathered and composed in rank order, giving the
     auxiliary state that enters each rank;
- 2. with it, each rank gets R from a run from a zero incoming S and L from runs from identity-like
-    incoming states ([I_K | 0] when V >= K, else one run per block of V key rows): L E = final - R;
+ 2. with it, the sequence that continues from the left (the head) runs once with K more value
+    columns, v = 0 there and the identity as their incoming state: every value column evolves on its
+    own under the same K x K transitions, so the final state is [R | L] (R from a zero incoming S)
+    and o is [o from a zero S | each token's readout C_t of the incoming state] (`widens` says when
+    a spec allows it; otherwise one batched run from a zero and identity-like incoming states gives
+    R and L, and the head runs again from its true incoming state after step 3);
  3. the (L, R) of every rank are all-gathered (fp32) and composed in rank order: S_in of rank r is
     L_{r-1}(... (L_0 S + R_0) ...) + R_{r-1}, reset to R_i at a rank whose carried sequence starts
     on it (L_i = 0);
- 4. the sequence that continues from the left is run again from its true incoming state.
-Only that sequence takes an incoming state; the others run once, from their own initial states.
+ 4. the head's o is o_0 + C S_in and its final state L S_in + R.
+A rank thus runs each of its tokens once (the head at V + K value columns), plus, where its state is
+carried on and the spec has auxiliary states, one call for their maps (a batch of two starts at one
+value channel), and all ranks run at once: none waits for another's chunk pass.
+Only the head takes an incoming state; the other sequences run from their own initial states.
 Every step is a differentiable torch operation (chunk differentiates through its inputs and its
 whole initial state; torch.distributed.nn's all_gather carries gradients back to the rank that
 sent the map), so the backward follows by autograd. Communication per rank: one gather of the
@@ -23,6 +30,7 @@ carried sequence from each rank: independent of T.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -172,40 +180,44 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
 
     # ---- the local calls: `head` the rows that continue from the left, `rest` the others ---------
     per_token = {"q", "k", "v", *(i.name for i in mixer.ir.inputs)}
+    names = [a.name for a in mixer.ir.aux]
     given = dict(inputs, q=q, k=k, v=v)
     leaves = [*given.values(), S0, *(aux0 or ())]
     leaves = [t for t in leaves if t is not None and t.requires_grad]
     grad = torch.is_grad_enabled() and bool(leaves)
     n_head = (B if cu is None else 1) if me.from_left else 0
+    f32 = dict(device=dev, dtype=torch.float32)
 
-    def call(part, S, aux):
-        """chunk over the head's or the rest's tokens from whole initial states S, aux (fp32 rows)."""
-        if part == "head":
-            t0, t1, lcu = 0, (q.shape[1] if cu is None else me.cu[1]), None if cu is None else [0, me.cu[1]]
-        else:
-            t0, t1 = (0 if cu is None else me.cu[n_head]), q.shape[1]
-            lcu = None if cu is None else [c - t0 for c in me.cu[n_head:]]
-        x = {n: (t[:, t0:t1] if n in per_token else t) for n, t in given.items()}
-        h0 = MixerState(S, {a.name: p for a, p in zip(mixer.ir.aux, aux)}) if widths else S
+    def run(x, S, aux, lcu=None):
+        """chunk over x from whole initial states S, aux (fp32 rows): (o, final S, final aux list)."""
+        h0 = MixerState(S, dict(zip(names, aux))) if widths else S
         lcu = None if lcu is None else torch.tensor(lcu, dtype=torch.int64, device=dev)
         o, fin = mixer.chunk(**x, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=lcu)
-        if widths:
-            return o, fin.S, [fin.aux[a.name] for a in mixer.ir.aux]
-        return o, fin, []
+        return (o, fin.S, [fin.aux[n] for n in names]) if widths else (o, fin, [])
 
-    rest = call("rest", S_rows[n_head:], [a[n_head:] for a in aux_rows]) if n_head < S_rows.shape[0] else None
+    def tokens(t0, t1):
+        return {n: (t[:, t0:t1] if n in per_token else t) for n, t in given.items()}
+
+    rest = None
+    if n_head < S_rows.shape[0]:
+        t0 = 0 if cu is None else me.cu[n_head]
+        rest = run(tokens(t0, q.shape[1]), S_rows[n_head:], [a[n_head:] for a in aux_rows],
+                   None if cu is None else [c - t0 for c in me.cu[n_head:]])
+    # the head: a batch [B, T_r] or its one packed sequence as a batch of one
+    head = tokens(0, q.shape[1] if cu is None else me.cu[1]) if me.from_left else None
     n_carry = B if cu is None else 1
-    f32 = dict(device=dev, dtype=torch.float32)
     zero_S = torch.zeros(n_carry, HV, K, V, **f32)
 
     # ---- 1. the auxiliary states' maps, gathered and composed ----------------------------------
     aux_in, tied = [], []
     if widths:
         zero_aux = [torch.zeros(n_carry, HV, w, **f32) for w in widths]
-        if carries and me.through:
-            _, _, r = call("head", zero_S, zero_aux)
-            _, _, f1 = call("head", zero_S, [torch.ones_like(z) for z in zero_aux])
-            l = [a - b for a, b in zip(f1, r)]
+        if carries and me.through:  # one call from the starts 0 and 1 (one value channel will do)
+            x = _copies(head, 2, per_token)
+            x = x if any(a.kind == "V" for a in mixer.ir.aux) else _narrow(mixer.ir, x)
+            _, _, f = run(x, torch.zeros(2 * n_carry, HV, K, x["v"].shape[-1], **f32),
+                          [torch.cat([z, torch.ones_like(z)]) for z in zero_aux])
+            r, l = [a[:n_carry] for a in f], [a[n_carry:] - a[:n_carry] for a in f]
         elif carries:  # the carried sequence starts here: its outgoing state is rest's
             r, l = [a[-n_carry:] for a in rest[2]], zero_aux
         else:
@@ -219,23 +231,32 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
         if me.from_left:
             aux_in = list(torch.split(P, widths, -1))
 
-    # ---- 2, 3. the state's maps, gathered and composed -----------------------------------------
-    if carries and me.through:
-        _, R, _ = call("head", zero_S, aux_in)
-        Ls = []
+    # ---- 2. this rank's map of the state: the head's final state is L S_in + R ---------------------
+    wide = me.from_left and widens(mixer.ir)
+    if wide:  # one run with K more value columns: [R | L] and the readout of S_in beside o
+        E = torch.eye(K, **f32).expand(n_carry, HV, K, K)
+        head_run = run(_widen(mixer.ir, head, K), torch.cat([zero_S, E], -1), aux_in)
+        R_h, L_h = head_run[1][..., :V], head_run[1][..., V:]
+    if carries and me.through and wide:
+        R, L = R_h, L_h
+    elif carries and me.through:  # one run from 0 and from identity-like starts, as a batch
+        starts, cols = [zero_S], []
         for b0 in range(0, K, V):
             w = min(V, K - b0)
             E = torch.zeros_like(zero_S)
             E[..., b0 + torch.arange(w, device=dev), torch.arange(w, device=dev)] = 1.0
-            _, F, _ = call("head", E, aux_in)
-            Ls.append((F - R)[..., :w])
-        L = torch.cat(Ls, -1)
-    elif carries:
-        R, L = rest[1][-n_carry:], torch.zeros(n_carry, HV, K, K, **f32)
-    else:
-        R, L = zero_S, torch.zeros(n_carry, HV, K, K, **f32)
-    payload = torch.cat([L, R], -1).float()
-    maps = _gather(_tie(payload, *tied, *leaves), group, grad)  # after the auxiliary gather
+            starts.append(E)
+            cols.append(w)
+        c = len(starts)
+        _, F, _ = run(_copies(head, c, per_token), torch.cat(starts), [torch.cat([a] * c) for a in aux_in])
+        R = F[:n_carry]
+        L = torch.cat([(F[(j + 1) * n_carry:(j + 2) * n_carry] - R)[..., :w] for j, w in enumerate(cols)], -1)
+    else:  # nothing to carry on, or the carried sequence starts here
+        L = torch.zeros(n_carry, HV, K, K, **f32)
+        R = rest[1][-n_carry:] if carries else zero_S
+
+    # ---- 3. the maps of every rank, gathered and composed: the incoming state ------------------
+    maps = _gather(_tie(torch.cat([L, R], -1).float(), *tied, *leaves), group, grad)  # after the aux gather
     tied += maps
     S = None
     for i in range(rank):
@@ -244,8 +265,12 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
 
     # ---- 4. the head from its true incoming state; the rest as it ran -------------------------
     parts = []
-    if me.from_left:
-        parts.append(call("head", S, aux_in))
+    if wide:  # o = o from 0 + (readout of the identity) S_in; final = R + L S_in
+        o_w = head_run[0]
+        o_h = o_w[..., :V].float() + torch.einsum("bthk,bhkv->bthv", o_w[..., V:].float(), S)
+        parts.append((o_h.to(o_w.dtype), R_h + L_h @ S, head_run[2]))
+    elif me.from_left:
+        parts.append(run(head, S, aux_in))
     if rest is not None:
         parts.append(rest)
     o = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
@@ -257,3 +282,47 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
         return o, fin
     aux = [torch.cat([p[2][i] for p in parts]) for i in range(len(widths))]
     return o, MixerState(fin, {a.name: t for a, t in zip(mixer.ir.aux, aux)})
+
+
+@functools.lru_cache(maxsize=64)
+def widens(m) -> bool:
+    """Whether the head's map can ride in one run beside its values: K more value columns with
+    v = 0 and the identity as their incoming state carry the transition's product (L) in their final
+    state and each token's readout of the incoming state in o, because every value column evolves
+    on its own under the same K x K transitions. That needs the write's value to vanish with v (it
+    does in every example) and v = 0 inside v's range; no auxiliary state per value channel, and no
+    other value-channel input normalised or declared unit (its pad, a copy of channel 0, would
+    change its norm). Otherwise the maps take one batched run and the head a second one."""
+    import sympy as sp
+
+    from .ir import symbol
+    v = m.input("v")
+    if (v.lo > 0 or v.hi < 0 or (v.lo == 0 and v.lo_open) or (v.hi == 0 and v.hi_open)
+            or any(a.kind == "V" for a in m.aux)
+            or any(i.kind == "V" and i.name != "v" and (i.l2norm or i.unit) for i in m.inputs)):
+        return False
+    return sp.simplify(m.inline_lets(m.write.value).xreplace({symbol("v"): 0})) == 0
+
+
+def _widen(m, x: dict, K: int) -> dict:
+    """x with K more value channels: zeros in v, a copy of channel 0 (detached: in range, and the
+    write there is zero whatever it holds) in every other value-channel input and param."""
+    kinds = m.kinds()
+    out = dict(x)
+    for n, t in x.items():
+        if kinds[n] == "V":
+            pad = t[..., :1].detach().expand(*t.shape[:-1], K)
+            out[n] = torch.cat([t, torch.zeros_like(pad) if n == "v" else pad], -1)
+    return out
+
+
+def _narrow(m, x: dict) -> dict:
+    """x with value channel 0 alone (for the auxiliary maps: auxiliary states per key channel never
+    read a value channel)."""
+    kinds = m.kinds()
+    return {n: (t[..., :1] if kinds[n] == "V" else t) for n, t in x.items()}
+
+
+def _copies(x: dict, c: int, per_token: set) -> dict:
+    """c copies of the batch x side by side along the batch (params once)."""
+    return {n: (torch.cat([t] * c) if n in per_token else t) for n, t in x.items()}
