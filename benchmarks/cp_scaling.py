@@ -96,6 +96,11 @@ def main():
         torch.cuda.set_device(dev)
     dtype = torch.bfloat16 if CUDA else torch.float32
     mixer = lrdsl.compile(a.spec)
+    # compile every rank's kernels at once (rank 0's are the one-device run's; a later rank's head
+    # runs with V + K value columns) before rank 0 times the one-device run alone
+    tiny = draw(mixer, Shape(B=1, T=64, H=a.H, K=a.K, V=a.V), dtype, dev, seed=rank)
+    tiny = {n: t.requires_grad_() for n, t in tiny.items()}
+    mixer.chunk(**tiny, cp_group=group)[0].sum().backward()
     rows = []
     for T in (int(t) for t in a.T.split(",")):
         if T % world:
