@@ -108,6 +108,25 @@ def check_causal(mixer, x, opts, first_bad, monkeypatch, label):
         assert err < TOL, f"{label}: {part} rms ratio {err:.3g} over its finite entries"
 
 
+def check_earlier_dq(mixer, x, opts, case, row, label):
+    """dq of the tokens before `row` (a loss on those tokens only), kernels in fp32 against the
+    float64 reference: finite and within TOL."""
+    do = torch.randn(1, case.T, 1, case.V, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    do[:, row:] = 0
+
+    def dq(fn, dtype):
+        q = x["q"].to(dtype).requires_grad_()
+        o, _ = fn(**{n: t.to(dtype) for n, t in x.items() if n != "q"}, q=q, **opts)
+        (torch.nan_to_num(o, nan=0.0, posinf=0.0, neginf=0.0) * do.to(dtype)).sum().backward()
+        return q.grad[0, :row]
+
+    ref = dq(mixer.reference, torch.float64)
+    got = dq(mixer.chunk, torch.float32)
+    assert torch.isfinite(ref).all()
+    assert torch.isfinite(got).all(), f"{label}: dq is not finite before row {row}"
+    assert rms_ratio(got, ref) < TOL
+
+
 def matrix():
     for m in MIXERS:
         for b in BAD:
@@ -179,17 +198,4 @@ def test_nonfinite_input_leaves_earlier_dq(stem, bad, semantics, compiled):
     row = 37
     name, value, whole = BAD[bad]
     x = spoil(x, name, value, whole, row)
-    do = torch.randn(1, case.T, 1, case.V, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    do[:, row:] = 0  # a loss on the tokens before the bad one only
-
-    def dq(fn, dtype):
-        q = x["q"].to(dtype).requires_grad_()
-        o, _ = fn(**{n: t.to(dtype) for n, t in x.items() if n != "q"}, q=q, **opts)
-        (torch.nan_to_num(o, nan=0.0, posinf=0.0, neginf=0.0) * do.to(dtype)).sum().backward()
-        return q.grad[0, :row]
-
-    ref = dq(mixer.reference, torch.float64)
-    got = dq(mixer.chunk, torch.float32)
-    assert torch.isfinite(ref).all()
-    assert torch.isfinite(got).all(), f"{stem} {bad}: dq is not finite before the bad token"
-    assert rms_ratio(got, ref) < TOL
+    check_earlier_dq(mixer, x, opts, case, row, f"{stem} {bad}")

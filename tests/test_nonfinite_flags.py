@@ -12,7 +12,7 @@ import torch
 import lrdsl
 import test_nonfinite
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
-from test_nonfinite import check_causal, semantics, spec_path, spoil  # noqa: F401 (semantics: a fixture)
+from test_nonfinite import check_causal, check_earlier_dq, semantics, spec_path, spoil  # noqa: F401 (semantics: a fixture)
 from test_recurrent import DEVICE
 
 pytestmark = test_nonfinite.pytestmark + [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
@@ -161,17 +161,4 @@ def test_overflowing_key_leaves_earlier_dq(semantics):
     x, opts = draw_inputs(mixer, case, DEVICE)
     row = 37
     x = spoil(x, "a", 100.0, True, row)
-    do = torch.randn(1, case.T, 1, case.V, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    do[:, row:] = 0  # a loss on the tokens before the overflow only
-
-    def dq(fn, dtype):
-        q = x["q"].to(dtype).requires_grad_()
-        o, _ = fn(**{n: t.to(dtype) for n, t in x.items() if n != "q"}, q=q, **opts)
-        (torch.nan_to_num(o, nan=0.0, posinf=0.0, neginf=0.0) * do.to(dtype)).sum().backward()
-        return q.grad[0, :row]
-
-    ref = dq(mixer.reference, torch.float64)
-    got = dq(mixer.chunk, torch.float32)
-    assert torch.isfinite(ref).all()
-    assert torch.isfinite(got).all(), "dq is not finite before the overflowing key"
-    assert rms_ratio(got, ref) < TOL
+    check_earlier_dq(mixer, x, opts, case, row, "an overflowing key")
