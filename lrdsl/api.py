@@ -127,7 +127,7 @@ class Mixer:
         S = torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
         if not self.ir.aux:
             return S
-        return MixerState(S, {a.name: torch.zeros(N, HV, K if a.kind == "K" else V, dtype=torch.float32,
+        return MixerState(S, {a.name: torch.zeros(N, HV, a.width(K, V), dtype=torch.float32,
                                                   device=device) for a in self.ir.aux})
 
     def _whole_state(self, batch) -> bool:
@@ -227,7 +227,7 @@ class Mixer:
         import torch
         o, ht, _, aux = self.chunk_op(tensors, batch.initial_state, batch.scale, batch.cu_seqlens,
                                       bool(batch.output_final_state))
-        widths = [batch.K if a.kind == "K" else batch.V for a in self.ir.aux]
+        widths = [a.width(batch.K, batch.V) for a in self.ir.aux]
         finals = torch.split(aux, widths, dim=-1) if batch.output_final_state and widths else ()
         return o, self._final(batch, ht, finals)
 

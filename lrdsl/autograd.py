@@ -141,7 +141,7 @@ def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_au
     finals = any(d is not None for d in dfinal_aux)
     if finals:  # the final states as outputs of the vector function, with zero for those not used
         for a, d in zip(mixer_ir.aux, dfinal_aux):
-            shape = (batch.N, batch.HV, batch.K if a.kind == "K" else batch.V)
+            shape = (batch.N, batch.HV, a.width(batch.K, batch.V))
             cotangents["final " + a.name] = torch.zeros(shape, device=tensors[0].device) if d is None else d.float()
     present = sorted(cotangents)
 

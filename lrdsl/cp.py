@@ -161,7 +161,7 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
     me, world = every[rank], len(every)
     carries = rank + 1 < world and every[rank + 1].from_left
     N = B if cu is None else len(cu) - 1
-    widths = [K if a.kind == "K" else V for a in mixer.ir.aux]
+    widths = [a.width(K, V) for a in mixer.ir.aux]
 
     # ---- the initial states of this rank's sequences (rows first..last of the global ones) -------
     S0, aux0 = initial_state, None

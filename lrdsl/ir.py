@@ -81,6 +81,10 @@ class Aux:
     write: sp.Expr
     span: Span | None = field(default=None, compare=False, hash=False)
 
+    def width(self, K: int, V: int) -> int:
+        """Its length per head: K for a key-channel state, V for a value-channel one."""
+        return K if self.kind == "K" else V
+
 
 @dataclass(frozen=True)
 class Let:

@@ -16,7 +16,7 @@ from .tensors import MixerState
 
 def zero_state(m, N, HV, K, V, device=None) -> MixerState:
     f32 = dict(dtype=torch.float32, device=device)
-    aux = {a.name: torch.zeros(N, HV, K if a.kind == "K" else V, **f32) for a in m.aux}
+    aux = {a.name: torch.zeros(N, HV, a.width(K, V), **f32) for a in m.aux}
     aux["G"] = torch.zeros(N, HV, K, K, **f32)
     return MixerState(torch.zeros(N, HV, K, V, **f32), aux)
 
@@ -33,7 +33,7 @@ def state_in(m, batch) -> tuple | None:
 
     aux = batch.initial_aux if batch.initial_aux is not None else [None] * len(m.aux)
     return (part(batch.initial_state, N, HV, K, V), part(batch.initial_gram, N, HV, K, K),
-            [part(t, N, HV, K if a.kind == "K" else V) for a, t in zip(m.aux, aux)])
+            [part(t, N, HV, a.width(K, V)) for a, t in zip(m.aux, aux)])
 
 
 def state_out(m, S, G, aux) -> MixerState:
@@ -96,7 +96,7 @@ def chunk(mixer, batch):
         o, ST, GT, aux = mixer.chunk_op(tensors, *starts, aux0, batch.scale, batch.cu_seqlens, bool(batch.output_final_state))
         if not batch.output_final_state:
             return o, None
-        widths = [batch.K if a.kind == "K" else batch.V for a in m.aux]
+        widths = [a.width(batch.K, batch.V) for a in m.aux]
         return o, state_out(m, ST, GT, list(torch.split(aux, widths, dim=-1)) if widths else [])
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in [*tensors, *starts, *aux0])
     if not grad:

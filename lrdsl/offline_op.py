@@ -27,7 +27,7 @@ def offline_op(mixer, key: str):
     lib = f"lrdsl::{m.name}_{key}_offline"
 
     def widths_of(K, V):  # of the auxiliary states, side by side in the fourth output
-        return [K if a.kind == "K" else V for a in m.aux]
+        return [a.width(K, V) for a in m.aux]
 
     def sizes(tensors, cu_seqlens):
         q, v = tensors[names.index("q")], tensors[names.index("v")]

@@ -185,7 +185,7 @@ def _aux_of(mixer: ir.Mixer, aux, N, HV, K, V, device) -> tuple:
                          f"({', '.join(names)}) to a tensor, got {got}")
     out = []
     for a in mixer.aux:
-        t, want = aux[a.name], (N, HV, K if a.kind == "K" else V)
+        t, want = aux[a.name], (N, HV, a.width(K, V))
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.is_floating_point():
             got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
             raise InputError(f"auxiliary state {a.name!r} must be a floating-point tensor "
