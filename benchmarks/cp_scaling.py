@@ -143,6 +143,9 @@ def main():
     if rank == 0:
         print(table(mixer.name, a, rows, dtype))
     if group is not None:
+        # every rank done before any tears gloo down: a rank that exits while its peer still holds the
+        # group can abort the peer ("terminate called without an active exception", seen in CI)
+        dist.barrier(group)
         dist.destroy_process_group()
 
 
