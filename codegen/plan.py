@@ -71,6 +71,9 @@ class Plan:
     staged_backward: bool = False  # the backward takes the staged kernels too
     staged_max_k: int = 128  # wider keys take the general kernels
     staged_chunk: int = 64  # BT of the staged forward
+    # the staged state pass may split the state's rows (key channels) over programs: no erase and
+    # no expression that mixes key channels (an L2 norm of a key-side input)
+    state_split_k: bool = False
     staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
     log_decay_floor: float = -20.0  # see _floored
     # a non-finite input reaches no earlier token in the chunked forward (common.jinja's
@@ -145,6 +148,7 @@ def plan(m: ir.Mixer) -> Plan:
         staged=not not_staged,
         staged_reason=not_staged,
         staged_backward=not not_staged,
+        state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
     )
 

@@ -458,3 +458,28 @@ def test_staged_backward_for_per_channel_decays(name, strong, monkeypatch):
     errors, failures = compare(mixer, case, output_final_state=True, seed=5, edit=edit)
     assert launches, "the staged backward did not run"
     assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
+
+
+@pytest.mark.parametrize("stem", ["linear_attention", "retnet", "mamba2", "gla"])
+def test_state_passes_split_over_key_channels(stem, compiled):
+    """Without an erase both state passes may split the state's rows over programs
+    (plan.state_split_k; the reverse one for decays that are not per key channel): three slices of
+    16 key channels, the last one partial, give the reference's gradients."""
+    import triton
+    mixer = compiled(ROOT / "examples" / f"{stem}.lr")
+    k = mixer.kernels
+    split = {"staged_state": k.staged_state}
+    if stem != "gla":
+        split.update(staged_dstate=k.staged_dstate, staged_dstate_fp32=k.staged_dstate_fp32)
+    saved = {n: t.configs for n, t in split.items()}
+    for t in split.values():
+        t.configs = [triton.Config({"BV": 16, "BKS": 16}, num_warps=4, num_stages=1)]
+        t.cache.clear()
+    try:
+        case = Case(B=1, T=150, H=2, HV=2, K=40, V=24, cu_seqlens=(0, 70, 150), initial_state=True, seed=23)
+        errors, failures = compare(mixer, case, output_final_state=True, seed=24)
+    finally:
+        for n, t in split.items():
+            t.configs = saved[n]
+            t.cache.clear()
+    assert not failures, f"{stem}: {describe(errors)}"

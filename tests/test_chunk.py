@@ -173,3 +173,36 @@ def test_spec_names_like_the_kernels_own_variables():
         o, s = mixer.chunk(**x, **opts)
     ref_o, ref_s = reference(mixer, x, opts)
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
+
+
+@pytest.mark.parametrize("name", ["linear_attention", "retnet", "mamba2", "gla"])
+def test_state_pass_split_over_key_channels(name, compiled):
+    """Without an erase the state pass may split the state's rows over programs (plan.state_split_k):
+    three slices of 16 key channels, the last one partial, give the reference's outputs and state."""
+    import triton
+    from codegen.plan import plan
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    assert plan(mixer.ir).state_split_k
+    tuner = mixer.kernels.staged_state
+    saved = tuner.configs
+    tuner.configs = [triton.Config({"BV": 16, "BKS": 16}, num_warps=4, num_stages=1)]
+    tuner.cache.clear()
+    try:
+        x, opts = draw_inputs(mixer, Case(B=1, T=150, H=2, HV=2, K=40, V=24, initial_state=True,
+                                          cu_seqlens=(0, 70, 150), seed=8), DEVICE)
+        with torch.no_grad():
+            o, s = mixer.chunk(**x, **opts)
+    finally:
+        tuner.configs = saved
+        tuner.cache.clear()
+    ref_o, ref_s = reference(mixer, x, opts)
+    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
+
+
+def test_no_split_of_key_channels_where_they_mix():
+    """An erase (delta rule) or an L2 norm of a key-side input ties the state's rows together."""
+    from codegen.plan import plan
+    for name in ("gated_deltanet", "deltanet"):
+        assert not plan(lrdsl.compile(next(p for p in EXAMPLES if p.stem == name)).ir).state_split_k
+    normed = lrdsl.compile(text="mixer normed_la\ninput q[K], k[K] l2norm, v[V]\nS = S + k v^T\no = S^T q\n")
+    assert not plan(normed.ir).state_split_k

@@ -231,7 +231,7 @@ def test_every_staged_config(name):
                     other.cache.clear()
                 got = run(mixer.chunk, torch.bfloat16, backward)
                 errs = {k: rms_ratio(got[k], ref[backward][k]) for k in got}
-                label = f"{n[7:13]} {cfg.num_warps}w{cfg.num_stages}s{cfg.kwargs.get('BV', '')}"
+                label = f"{n[7:13]} {cfg.num_warps}w{cfg.num_stages}s" + "".join(f"{k}{v}" for k, v in sorted(cfg.kwargs.items()))
                 if backward:
                     RESULTS.append((name, label, max(errs[k] for k in ("q", "k", "v")),
                                     max([e for k, e in errs.items() if k not in ("q", "k", "v", "h0")] or [0.0])))
