@@ -31,7 +31,10 @@ class SolvePlan:
     recurrent_bv: int = 64  # value tile of the decode kernel (each tile repeats the K x K solve)
     recurrent_warps: int = 4
     chunk_warps: int = 4
-    solve_warps: int = 8  # the CG keeps x, r, p and G p ([BT, K] fp32 each): 8 warps spill least
+    # the CG keeps x and G p in fp32, r and p in the products' dtype ([BT, K] each): with 4 warps each
+    # warp owns whole rows, so the row sums need no barrier and every product runs once (at 8 the
+    # two warp groups repeat the Gram products and trade halves through shared memory)
+    solve_warps: int = 4
     state_stages: int = 2  # the state passes prefetch the next chunk's keys and values
     # the backward's pair kernel holds six [BT, K] fp32 blocks besides its value tiles: at BT = 64,
     # K = 128 (fp32 state gradients) 32-wide value tiles and 8 warps fit in shared memory unspilled
