@@ -82,9 +82,12 @@ class Plan:
     # a 16-token block whose decay stays above exp(-SPAN) in every key channel takes tensor cores
     # through the block's start (factors up to exp(SPAN), far from fp32's and bf16's exp(88))
     diagonal_block_span: float = 60.0
-    # the per-channel staged backward's pairwise stage: key channels and warps per program
+    # the per-channel staged backward's pairwise stage: key channels and warps per program, and a
+    # register cap (ptxas' maxnreg; 0: none). ptxas sm_90a, K = 128: 8 warps take 176 registers
+    # uncapped (one program per SM), 128 with no spills (two)
     staged_pair_keys: int = 32
-    staged_pair_warps: int = 4
+    staged_pair_warps: int = 8
+    staged_pair_regs: int = 128
     chain: Chain | None = None  # the staged backward's generated chain rule (codegen/chain.py)
     chain_rows: int = 32  # tokens per program of the chain-rule kernel
 
