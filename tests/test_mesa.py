@@ -227,6 +227,21 @@ def test_chunk_and_recurrent_match_the_exact_reference(which, compiled, small_ch
         assert rms_ratio(o, ref_o) < 1e-4 and rms_ratio(state, ref_state) < 1e-4, call.__name__
 
 
+def test_one_state_launch_splits_both_states_into_tiles(compiled, small_chunks, monkeypatch):
+    """The state pass scans S and G in one launch, value tiles of S first, then those of G. With
+    16-wide tiles S (V = 48) takes three and G (K = 32) two, and the final states match the
+    reference; S0 alone (a tensor: no Gram state) starts S only."""
+    mixer = small_chunks(compiled(SPEC))
+    monkeypatch.setattr(mixer.kernels, "MESA_BW", 16)
+    x = _inputs(mixer, B=2, T=40, H=1, HV=2, K=32, V=48, seed=21)
+    S0 = _whole(2, 2, 32, 48, seed=22).S
+    for start in (None, S0):
+        ref_o, ref_state = mixer.reference(**x, initial_state=None if start is None else S0.double(),
+                                           output_final_state=True)
+        o, state = mixer.chunk(**_f32(x), initial_state=start, output_final_state=True)
+        assert rms_ratio(o, ref_o) < 1e-4 and rms_ratio(state, ref_state) < 1e-4
+
+
 @pytest.mark.parametrize("which", ["mesa", "retention", "undecayed"])
 def test_chunk_gradients_match_the_reference_autograd(which, compiled, small_chunks):
     """Every input, S0 and G0, with gradients flowing from o and from both final states."""
