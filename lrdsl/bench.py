@@ -44,6 +44,10 @@ def draw(mixer, s: Shape, dtype=torch.bfloat16, device="cuda", seed=0) -> dict:
             x = F.normalize(x, dim=-1)
         elif math.isfinite(float(i.lo)) and math.isfinite(float(i.hi)):
             x = float(i.lo) + (float(i.hi) - float(i.lo)) * torch.sigmoid(x)
+        elif math.isfinite(float(i.lo)):  # (lo, inf), e.g. Mesa's lamb: kept off lo, as the GPU suite draws it
+            x = float(i.lo) + 0.25 + F.softplus(x)
+        elif math.isfinite(float(i.hi)):
+            x = float(i.hi) - 0.25 - F.softplus(x)
         out[i.name] = x.to(dtype)
     from .params import param_shape, sample
     for p in mixer.ir.params:  # fp32 per head, drawn as lrdsl.nn.Layer initialises them

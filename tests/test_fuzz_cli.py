@@ -142,3 +142,16 @@ def test_fuzz_command_cuda_without_gpu_is_one_line(capsys):
     rc = cli.main(["fuzz", str(GDN), "--examples", "1", "--device", "cuda"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) >= 1 and "cuda" in err[-1].lower() and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize("spec", sorted(str(p) for p in (Path(__file__).resolve().parent.parent / "examples").glob("*.lr")))
+def test_bench_draws_stay_inside_declared_ranges(spec):
+    """`lrdsl bench` times kernels on inputs the spec allows (a negative Mesa lamb would time an
+    indefinite system), half-infinite ranges included."""
+    from lrdsl.bench import Shape, draw
+    mixer = lrdsl.compile(spec, load_kernels=False)
+    x = draw(mixer, Shape(B=1, T=8, H=2, K=4, V=4), dtype=torch.float32, device="cpu")
+    for i in mixer.ir.inputs:
+        if not i.log:
+            lo, hi = float(i.lo), float(i.hi)
+            assert bool(((x[i.name] > lo) & (x[i.name] < hi)).all()), (spec, i.name)
