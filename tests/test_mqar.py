@@ -22,9 +22,10 @@ def test_sequences_hold_pairs_then_each_key_queried_once():
         where = [t for t in range(10, 32) if tgt[t] != -100]
         assert sorted(tok[t] for t in where) == sorted(keys)  # every key asked once, after the pairs
         for t in where:
-            answer = values[keys.index(tok[t])]
-            assert tgt[t] == answer and tok[t + 1] == answer  # the answer is the target, then shown
-        assert all(tok[t] == 0 for t in range(10, 32) if t not in where and t - 1 not in where)
+            assert t % 2 == 0 and tgt[t] == values[keys.index(tok[t])]  # the answer is the target
+        # never shown again: shown answers let a model guess among the values not yet seen after a
+        # query, a shortcut that needs no key-value binding (0.52 at 4 pairs)
+        assert all(tok[t] == 0 for t in range(10, 32) if t not in where)
 
 
 def test_cli_defaults_are_the_configs():
@@ -36,7 +37,7 @@ def test_cli_defaults_are_the_configs():
 
 def test_tiny_model_learns(compiled):
     """20 steps of a one-layer gla model on T = 16: the training loss falls (from about log 32; by
-    0.82 to 0.87 times over seeds 0 to 2)."""
+    0.78 to 0.88 times over seeds 0 to 2)."""
     cfg = mqar.Config(seq_lens=(16,), pairs=(2, 4), vocab=32, d_model=32, n_layers=1, heads=1, head_dim=16,
                       steps=20, batch=4, lr=3e-2, eval_sequences=4)
     seen = []
