@@ -75,8 +75,8 @@ def _ints(text: str) -> tuple:
 
 
 # the defaults of lrdsl.mqar.Config (written out: importing it would import torch for every command)
-MQAR_DEFAULTS = dict(seq_lens="64,128,256", pairs="4,8,16,32,64", vocab=8192, d_model=128, n_layers=2, heads=2,
-                     head_dim=64, steps=1000, batch=64, lr=3e-3, eval_sequences=256, seed=0)
+MQAR_DEFAULTS = dict(seq_lens="64,128", pairs="4,8,16,32", vocab=256, d_model=128, n_layers=2, heads=4,
+                     head_dim=32, steps=3000, batch=128, lr=3e-3, eval_sequences=256, seed=0)
 
 
 def _mqar_parser(sub) -> None:
