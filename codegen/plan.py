@@ -92,6 +92,12 @@ class Plan:
     chain_rows: int = 32  # tokens per program of the chain-rule kernel
 
     @property
+    def dstate_split_k(self) -> bool:
+        """The reverse state pass splits the state's rows as the forward's does, but not with a
+        decay per key channel (that backward, chunk_staged_bwd_diag.py.jinja, launches it whole)."""
+        return self.state_split_k and self.decay_kind != "diagonal"
+
+    @property
     def vector_args(self) -> str:
         """The pointer arguments a per-token-vector helper takes: every input, then every aux state."""
         return ", ".join([f"in_{l.name}" for l in self.loads] + [aux_ptr(a[0]) for a in self.aux])
