@@ -1,7 +1,9 @@
 """Per-kernel GPU time of one forward (and with --backward, forward + backward) of each spec.
 
-Usage (device machine): python benchmarks/profile_kernels.py SPEC [SPEC ...] [--backward] [--shape B,T,H,K,V]
-Shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise, bf16. Prints torch.profiler's table per spec.
+Usage (device machine): python benchmarks/profile_kernels.py SPEC [SPEC ...] [--backward] [--shape B,T,H,K,V] [--fla]
+Shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise, bf16. Prints torch.profiler's table per
+spec; with --fla also the table of its FLA twin on the same inputs (q, k normalised outside the call
+where FLA can take them so, as `lrdsl bench` times its faster variant).
 """
 import sys
 
@@ -9,9 +11,29 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import lrdsl
-from lrdsl.bench import Shape, draw, parse_shape
+from lrdsl.bench import Shape, _prenormalisable, _unit, draw, parse_shape, twin
 
-backward = "--backward" in sys.argv
+
+def table(title, f, x, backward):
+    if backward:
+        for t in x.values():
+            if t.is_floating_point():
+                t.requires_grad_()
+    for _ in range(3):  # tune and warm up outside the profile
+        o = f(x)
+        if backward:
+            o.backward(torch.ones_like(o))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        o = f(x)
+        if backward:
+            o.backward(torch.ones_like(o))
+        torch.cuda.synchronize()
+    print(f"\n{title} ({'forward + backward' if backward else 'forward'}):")
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=36))
+
+
+backward, with_fla = "--backward" in sys.argv, "--fla" in sys.argv
 args = sys.argv[1:]
 shape = Shape()
 if "--shape" in args:
@@ -21,18 +43,10 @@ if "--shape" in args:
 for path in [a for a in args if not a.startswith("--")]:
     m = lrdsl.compile(path)
     x = draw(m, shape)
-    if backward:
-        for t in x.values():
-            t.requires_grad_()
-    for _ in range(3):  # tune and warm up outside the profile
-        o = m.chunk(**x)[0]
-        if backward:
-            o.backward(torch.ones_like(o))
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        o = m.chunk(**x)[0]
-        if backward:
-            o.backward(torch.ones_like(o))
-        torch.cuda.synchronize()
-    print(f"\n{m.name} ({'forward + backward' if backward else 'forward'}):")
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=36))
+    table(m.name, lambda x: m.chunk(**x)[0], dict(x), backward)
+    tw = twin(m) if with_fla else None
+    if tw is not None:
+        pre = _prenormalisable(m)
+        xf = dict(x, q=_unit(x["q"]), k=_unit(x["k"])) if pre else dict(x)
+        xf = {n: t.detach().clone() for n, t in xf.items()}
+        table(f"FLA {tw[0]}", lambda x: tw[1](x, prenormalised=pre), xf, backward)
