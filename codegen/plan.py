@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import sympy as sp
 
 from lrdsl import ir, printer
 from lrdsl.symbolic import simplified
@@ -35,6 +36,15 @@ class Step:
     var: str
     expr: str
     kind: str
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A product operand that is one input's tile as stored, times a per-token number."""
+    ptr: str  # the input's pointer argument
+    heads: str  # "H" (one per key head) or "HV"
+    head: str  # "i_h" or "i_hv"
+    factor: str  # Triton text of the per-token factor, "1.0" when none
 
 
 @dataclass(frozen=True)
@@ -90,12 +100,23 @@ class Plan:
     staged_pair_regs: int = 0
     chain: Chain | None = None  # the staged backward's generated chain rule (codegen/chain.py)
     chain_rows: int = 32  # tokens per program of the chain-rule kernel
+    # (write key, write value, query) as Raw where each is an input's tile times a per-token
+    # number, with no erase and no decay per key channel; else (). The staged state pass and output
+    # stage then give tl.dot those tiles as loaded (keys transposed by their pointers), so wgmma
+    # reads them from the pipelined shared-memory buffers; the per-token numbers (factors, decays)
+    # go to the other operand or to the products' rows and columns (staged_vectors.py.jinja)
+    raw: tuple = ()
 
     @property
     def dstate_split_k(self) -> bool:
         """The reverse state pass splits the state's rows as the forward's does, but not with a
         decay per key channel (that backward, chunk_staged_bwd_diag.py.jinja, launches it whole)."""
         return self.state_split_k and self.decay_kind != "diagonal"
+
+    @property
+    def raw_scaled(self) -> bool:
+        """plan.raw's state pass scales its key tile: a decay, or a factor of the write."""
+        return self.decay_kind != "identity" or any(r.factor != "1.0" for r in self.raw[:2])
 
     @property
     def vector_args(self) -> str:
@@ -159,7 +180,29 @@ def plan(m: ir.Mixer) -> Plan:
         staged_backward=not not_staged,
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
+        raw=_raw_operands(m) if not not_staged else (),
     )
+
+
+def _raw_operands(m: ir.Mixer) -> tuple:
+    """plan.raw: the write key, write value and query as Raw, or () unless all three are."""
+    if m.delta is not None or m.decay.kind == "diagonal":
+        return ()
+    parts = tuple(_raw(m, e, kind) for e, kind in ((m.write.key, "K"), (m.write.value, "V"), (m.query, "K")))
+    return parts if all(parts) else ()
+
+
+def _raw(m: ir.Mixer, e, kind: str) -> Raw | None:
+    """e as one input of this kind (unclamped, not normalised) times per-token numbers, or None."""
+    kinds = m.kinds()
+    e = m.inline_lets(e)
+    tiles = [a for a in sp.Mul.make_args(e) if any(kinds[s.name] != "scalar" for s in a.free_symbols)]
+    if len(tiles) != 1 or not isinstance(tiles[0], sp.Symbol):
+        return None
+    i = next((i for i in m.inputs if i.name == tiles[0].name), None)
+    if i is None or i.kind != kind or i.l2norm or _bounds(i) != ("", ""):
+        return None
+    return Raw(f"in_{i.name}", "H" if i.shared else "HV", "i_h" if i.shared else "i_hv", code(e / tiles[0]))
 
 
 def _floored(m: ir.Mixer) -> str:

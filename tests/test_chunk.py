@@ -73,6 +73,21 @@ def test_strong_decay_does_not_overflow(name, compiled):
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
+def test_raw_operands_with_per_token_factors():
+    """The raw-operand path (plan.raw) with a per-token factor on the write and on the query: the
+    state pass scales the key tile's columns, the output stage the products' rows and columns."""
+    from lrdsl.codegen.plan import plan
+    mixer = lrdsl.compile(text="mixer raw_factors\ninput q[K] shared, k[K] shared, v[V], b in (0, 1), g log\n"
+                               "S = exp(g) S + k (b * v)^T\no = S^T (2 * q)\n")
+    assert [r.factor for r in plan(mixer.ir).raw] == ["b_b", "1.0", "2.0"]
+    case = Case(B=1, T=150, H=2, HV=4, K=20, V=12, cu_seqlens=(0, 70, 150), initial_state=True, scale=0.7, seed=11)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    with torch.no_grad():
+        o, s = mixer.chunk(**x, **opts)
+    ref_o, ref_s = reference(mixer, x, opts)
+    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
+
+
 def test_fp16_inputs(compiled):
     mixer = compiled(next(p for p in EXAMPLES if p.stem == "gated_deltanet"))
     x, opts = draw_inputs(mixer, Case(B=1, T=40, H=2, HV=2, K=16, V=16, seed=8), DEVICE)
