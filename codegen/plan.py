@@ -106,6 +106,9 @@ class Plan:
     # reads them from the pipelined shared-memory buffers; the per-token numbers (factors, decays)
     # go to the other operand or to the products' rows and columns (staged_vectors.py.jinja)
     raw: tuple = ()
+    # the write value as Raw where the state pass and output stage may give its tile to tl.dot as
+    # loaded (no erase; a factor only with plan.raw, which moves it to the key side), else None
+    raw_value: Raw | None = None
 
     @property
     def dstate_split_k(self) -> bool:
@@ -181,6 +184,7 @@ def plan(m: ir.Mixer) -> Plan:
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
         raw=_raw_operands(m) if not not_staged else (),
+        raw_value=_raw_value(m) if not not_staged else None,
     )
 
 
@@ -190,6 +194,12 @@ def _raw_operands(m: ir.Mixer) -> tuple:
         return ()
     parts = tuple(_raw(m, e, kind) for e, kind in ((m.write.key, "K"), (m.write.value, "V"), (m.query, "K")))
     return parts if all(parts) else ()
+
+
+def _raw_value(m: ir.Mixer) -> Raw | None:
+    """plan.raw_value."""
+    v = _raw(m, m.write.value, "V") if m.delta is None else None
+    return v if v is not None and (v.factor == "1.0" or _raw_operands(m)) else None
 
 
 def _raw(m: ir.Mixer, e, kind: str) -> Raw | None:
