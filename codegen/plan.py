@@ -106,6 +106,7 @@ class Plan:
     # reads them from the pipelined shared-memory buffers; the per-token numbers (factors, decays)
     # go to the other operand or to the products' rows and columns (staged_vectors.py.jinja)
     raw: tuple = ()
+    raw_output_bk: int = 64  # key channels per step of plan.raw's output stage (its products' loop)
     # the write value as Raw where the state pass and output stage may give its tile to tl.dot as
     # loaded (no erase; a factor only with plan.raw, which moves it to the key side), else None
     raw_value: Raw | None = None
