@@ -90,6 +90,12 @@ class Plan:
     staged_pair_regs: int = 0
     chain: Chain | None = None  # the staged backward's generated chain rule (codegen/chain.py)
     chain_rows: int = 32  # tokens per program of the chain-rule kernel
+    # lets that read an auxiliary state and that the kernels' expressions read: (var, kind, pointer).
+    # The aux pass makes them once per token, where the states are final, in the staged kernels'
+    # operand dtype; the staged kernels load them instead of the states (one [BT, K] tile in the
+    # operand dtype instead of an fp32 one, no elementwise math, fewer live tiles)
+    stored_lets: tuple = ()
+    aux_lets: tuple = ()  # block variables of the lets that read an auxiliary state (directly or not)
 
     @property
     def dstate_split_k(self) -> bool:
@@ -99,8 +105,16 @@ class Plan:
 
     @property
     def vector_args(self) -> str:
-        """The pointer arguments a per-token-vector helper takes: every input, then every aux state."""
-        return ", ".join([f"in_{l.name}" for l in self.loads] + [aux_ptr(a[0]) for a in self.aux])
+        """The pointer arguments a per-token-vector helper takes: every input, every aux state, then
+        every stored let."""
+        return ", ".join([f"in_{l.name}" for l in self.loads] + [aux_ptr(a[0]) for a in self.aux]
+                         + [s[2] for s in self.stored_lets])
+
+    @property
+    def kernel_lets(self) -> tuple:
+        """The lets the staged kernels evaluate themselves: those that read no auxiliary state (the
+        others are stored, or feed only stored ones)."""
+        return tuple(s for s in self.lets if s.var not in self.aux_lets)
 
     @property
     def aux_ptrs(self) -> tuple:
@@ -159,7 +173,28 @@ def plan(m: ir.Mixer) -> Plan:
         staged_backward=not not_staged,
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
+        stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m)),
+        aux_lets=tuple(var(lt.name) for lt in _aux_lets(m)),
     )
+
+
+def _aux_lets(m: ir.Mixer) -> tuple:
+    """The lets that read an auxiliary state, directly or through an earlier let."""
+    names = {a.name for a in m.aux}
+    out = []
+    for lt in m.lets:
+        if any(s.name in names for s in lt.expr.free_symbols):
+            names.add(lt.name)
+            out.append(lt)
+    return tuple(out)
+
+
+def _stored_lets(m: ir.Mixer) -> tuple:
+    """The lets of _aux_lets that the kernels' own expressions (decay, erase, write, query) read."""
+    body = [m.decay.value, m.write.key, m.write.value, m.query]
+    body += [m.delta.a, m.delta.c] if m.delta is not None else []
+    read = {s.name for e in body for s in e.free_symbols}
+    return tuple(lt for lt in _aux_lets(m) if lt.name in read)
 
 
 def _floored(m: ir.Mixer) -> str:
