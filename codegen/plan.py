@@ -96,6 +96,10 @@ class Plan:
     # operand dtype instead of an fp32 one, no elementwise math, fewer live tiles)
     stored_lets: tuple = ()
     aux_lets: tuple = ()  # block variables of the lets that read an auxiliary state (directly or not)
+    # the staged kernels (or the aux pass itself: a later state, or a stored let of an earlier one)
+    # read the auxiliary states per token; if not, the aux pass stores their rows at the ends of
+    # the sequences only (the final states)
+    staged_reads_aux: bool = True
 
     @property
     def dstate_split_k(self) -> bool:
@@ -175,6 +179,7 @@ def plan(m: ir.Mixer) -> Plan:
         chain=chain(m) if not not_staged else None,
         stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m)),
         aux_lets=tuple(var(lt.name) for lt in _aux_lets(m)),
+        staged_reads_aux=len(m.aux) > 1 or bool(_body_symbols(m) & {a.name for a in m.aux}),
     )
 
 
@@ -189,11 +194,16 @@ def _aux_lets(m: ir.Mixer) -> tuple:
     return tuple(out)
 
 
-def _stored_lets(m: ir.Mixer) -> tuple:
-    """The lets of _aux_lets that the kernels' own expressions (decay, erase, write, query) read."""
+def _body_symbols(m: ir.Mixer) -> set:
+    """The names the kernels' own expressions (decay, erase, write, query) read."""
     body = [m.decay.value, m.write.key, m.write.value, m.query]
     body += [m.delta.a, m.delta.c] if m.delta is not None else []
-    read = {s.name for e in body for s in e.free_symbols}
+    return {s.name for e in body for s in e.free_symbols}
+
+
+def _stored_lets(m: ir.Mixer) -> tuple:
+    """The lets of _aux_lets that the kernels' own expressions read."""
+    read = _body_symbols(m)
     return tuple(lt for lt in _aux_lets(m) if lt.name in read)
 
 
