@@ -100,6 +100,9 @@ class Plan:
     # read the auxiliary states per token; if not, the aux pass stores their rows at the ends of
     # the sequences only (the final states)
     staged_reads_aux: bool = True
+    # warps of the aux pass's launches: its fix-up with stored lets holds several [BT, K] fp32 tiles
+    # (ptxas, precond_deltanet K=128: 255 registers at 4 warps, 2 programs per SM; 128 at 8)
+    aux_warps: int = 8
 
     @property
     def dstate_split_k(self) -> bool:
