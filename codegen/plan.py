@@ -97,8 +97,8 @@ class Plan:
     stored_lets: tuple = ()
     aux_lets: tuple = ()  # block variables of the lets that read an auxiliary state (directly or not)
     # the staged kernels (or the aux pass itself: a later state, or a stored let of an earlier one)
-    # read the auxiliary states per token; if not, the aux pass stores their rows at the ends of
-    # the sequences only (the final states)
+    # read the auxiliary states per token; if not, the staged path does not store them (the final
+    # states come from the carry between chunks)
     staged_reads_aux: bool = True
     # warps of the aux pass's launches: its fix-up with stored lets holds several [BT, K] fp32 tiles
     # (ptxas, precond_deltanet K=128: 255 registers at 4 warps, 2 programs per SM; 128 at 8)
