@@ -110,6 +110,19 @@ class Plan:
     # the write value as Raw where the state pass and output stage may give its tile to tl.dot as
     # loaded (no erase; a factor only with plan.raw, which moves it to the key side), else None
     raw_value: Raw | None = None
+    # lets that read an auxiliary state and that the kernels' expressions read: (var, kind, pointer).
+    # The aux pass makes them once per token, where the states are final, in the staged kernels'
+    # operand dtype; the staged kernels load them instead of the states (one [BT, K] tile in the
+    # operand dtype instead of an fp32 one, no elementwise math, fewer live tiles)
+    stored_lets: tuple = ()
+    aux_lets: tuple = ()  # block variables of the lets that read an auxiliary state (directly or not)
+    # the staged kernels (or the aux pass itself: a later state, or a stored let of an earlier one)
+    # read the auxiliary states per token; if not, the staged path does not store them (the final
+    # states come from the carry between chunks)
+    staged_reads_aux: bool = True
+    # warps of the aux pass's launches: its fix-up with stored lets holds several [BT, K] fp32 tiles
+    # (ptxas, precond_deltanet K=128: 255 registers at 4 warps, 2 programs per SM; 128 at 8)
+    aux_warps: int = 8
 
     @property
     def dstate_split_k(self) -> bool:
@@ -124,8 +137,16 @@ class Plan:
 
     @property
     def vector_args(self) -> str:
-        """The pointer arguments a per-token-vector helper takes: every input, then every aux state."""
-        return ", ".join([f"in_{l.name}" for l in self.loads] + [aux_ptr(a[0]) for a in self.aux])
+        """The pointer arguments a per-token-vector helper takes: every input, every aux state, then
+        every stored let."""
+        return ", ".join([f"in_{l.name}" for l in self.loads] + [aux_ptr(a[0]) for a in self.aux]
+                         + [s[2] for s in self.stored_lets])
+
+    @property
+    def kernel_lets(self) -> tuple:
+        """The lets the staged kernels evaluate themselves: those that read no auxiliary state (the
+        others are stored, or feed only stored ones)."""
+        return tuple(s for s in self.lets if s.var not in self.aux_lets)
 
     @property
     def aux_ptrs(self) -> tuple:
@@ -186,6 +207,9 @@ def plan(m: ir.Mixer) -> Plan:
         chain=chain(m) if not not_staged else None,
         raw=_raw_operands(m) if not not_staged else (),
         raw_value=_raw_value(m) if not not_staged else None,
+        stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m)),
+        aux_lets=tuple(var(lt.name) for lt in _aux_lets(m)),
+        staged_reads_aux=len(m.aux) > 1 or bool(_body_symbols(m) & {a.name for a in m.aux}),
     )
 
 
@@ -214,6 +238,30 @@ def _raw(m: ir.Mixer, e, kind: str) -> Raw | None:
     if i is None or i.kind != kind or i.l2norm or _bounds(i) != ("", ""):
         return None
     return Raw(f"in_{i.name}", "H" if i.shared else "HV", "i_h" if i.shared else "i_hv", code(e / tiles[0]))
+
+
+def _aux_lets(m: ir.Mixer) -> tuple:
+    """The lets that read an auxiliary state, directly or through an earlier let."""
+    names = {a.name for a in m.aux}
+    out = []
+    for lt in m.lets:
+        if any(s.name in names for s in lt.expr.free_symbols):
+            names.add(lt.name)
+            out.append(lt)
+    return tuple(out)
+
+
+def _body_symbols(m: ir.Mixer) -> set:
+    """The names the kernels' own expressions (decay, erase, write, query) read."""
+    body = [m.decay.value, m.write.key, m.write.value, m.query]
+    body += [m.delta.a, m.delta.c] if m.delta is not None else []
+    return {s.name for e in body for s in e.free_symbols}
+
+
+def _stored_lets(m: ir.Mixer) -> tuple:
+    """The lets of _aux_lets that the kernels' own expressions read."""
+    read = _body_symbols(m)
+    return tuple(lt for lt in _aux_lets(m) if lt.name in read)
 
 
 def _floored(m: ir.Mixer) -> str:

@@ -128,16 +128,39 @@ o = S^T (G + diag(0.25 + P))^-1 q
 solve offline steps 16
 """
 MESA = EXAMPLES[0].parent / "mesa.lr"
+# lets of auxiliary states, made once by the aux pass for the staged kernels: n through another let,
+# w of a value-side state (the last one scanned, held in registers there)
+STORED_LETS = """mixer stored_lets
+input q[K] l2norm, k[K] l2norm, v[V], g log, beta in (0, 1), a1 log shared, a2 log
+state P1[K] = exp(a1) * P1 + k * k
+state P2[V] = exp(a2) * P2 + v * v
+let m = squash(P1, x = 1.5, center = -0.2)
+let n = m / 2
+let w = 1 / (1 + P2)
+S = (I - beta (n*k) k^T) exp(g) S + beta (n*k) (w*v)^T
+o = S^T q
+"""
 # (spec, where chunk starts from): "whole" a whole state (every part differentiated), "S" the plain
 # S (auxiliary states from zero: the custom op), "kept" a whole state with keep_intermediates
 # (the general kernels); the others in -m slow
 GRAD_CASES = [("precond_deltanet", "whole"), ("precond_kda", "whole"), ("gdn2_atk", "whole"),
-              ("precond_deltanet", "S"), ("precond_kda", "kept"), ("mesa_aux", "whole")]
+              ("precond_deltanet", "S"), ("precond_kda", "kept"), ("mesa_aux", "whole"), ("stored_lets", "whole")]
 SLOW_GRAD_CASES = [("precond_kda", "S"), ("gdn2_atk", "S"), ("precond_deltanet", "kept"), ("gdn2_atk", "kept"),
                    ("mesa", "whole"), ("mesa", "S"), ("mesa_aux", "S")]
 
 
+def test_lets_of_auxiliary_states_are_stored_by_the_aux_pass():
+    """The lets the update reads of auxiliary states (n and w; not m, which only n reads) are
+    stored, and the staged kernels compute no let of an auxiliary state themselves."""
+    from lrdsl.codegen.plan import plan
+    p = plan(lrdsl.compile(text=STORED_LETS, load_kernels=False).ir)
+    assert p.staged and [(v, kind) for v, kind, _ in p.stored_lets] == [("b_n", "K"), ("b_w", "V")]
+    assert p.kernel_lets == ()
+
+
 def _grad_mixer(name, start, compiled, monkeypatch):
+    if name == "stored_lets":
+        return lrdsl.compile(text=STORED_LETS)
     if name.startswith("mesa"):
         mixer = compiled(MESA) if name == "mesa" else lrdsl.compile(text=MESA_AUX)
         monkeypatch.setattr(mixer.kernels, "MESA_CHUNK", 16)  # short sequences cross chunks
