@@ -3,7 +3,7 @@
 Usage (device machine): python benchmarks/time_configs.py SPEC [--shape B,T,H,K,V] [--only staged_dq,staged_dk]
 One kernel's config at a time, every other kernel at the first config of its space (as the GPU
 suite's test_every_staged_config runs them); then the whole spaces under the autotuner, with the
-configs it picked. bf16, shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise. A space's
+configs it picked, and the same without the causal second launches. bf16, shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise. A space's
 losers can then leave it (each config costs cold-start time and a GPU suite case).
 """
 import sys
@@ -60,6 +60,12 @@ def main(argv):
     ms = do_bench(step, warmup=10, rep=50, return_mode="median", grad_to_none=leaves)
     print(f"  autotuned {ms:.3f}: " + "; ".join(f"{n} {label(t.best_config)}" for n, t in tuners.items()
                                                  if getattr(t, "best_config", None) is not None))
+    # what the second (causal) launches cost when no chunk is flagged: their programs only read a
+    # flag and leave (timing only: without them a non-finite input would spread over its chunk)
+    passes, m.kernels.CAUSAL_PASSES = m.kernels.CAUSAL_PASSES, (False,)
+    ms_plain = do_bench(step, warmup=10, rep=50, return_mode="median", grad_to_none=leaves)
+    m.kernels.CAUSAL_PASSES = passes
+    print(f"  autotuned without the causal launches {ms_plain:.3f} (they cost {ms - ms_plain:.3f})")
 
 
 if __name__ == "__main__":
