@@ -1,12 +1,13 @@
 """One forward + backward with one staged kernel pinned to one config, in this process only.
 
 Usage (device machine, one process per config: a fault leaves the CUDA context dead):
-  CUDA_LAUNCH_BLOCKING=1 python benchmarks/probe_config.py SPEC KERNEL BV=64,w=4,s=2 [--shape B,T,H,K,V] [--varlen]
+  CUDA_LAUNCH_BLOCKING=1 python benchmarks/probe_config.py SPEC KERNEL BV=64,w=4,s=2 [--shape B,T,H,K,V] [--varlen] [--state]
 The config need not be in the kernel's tuning space (so a candidate taken out of it can be probed
 again); every other staged kernel runs its space's first config. Prints one line: the gradients'
 relative RMS difference from a run with KERNEL at its space's first config, or the error. bf16,
 shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise; --varlen packs the batch into one
-sequence cut at uneven points.
+sequence cut at uneven points; --state adds an initial state and a final-state gradient (the GPU
+suite's path: other kernel variants).
 """
 import sys
 
@@ -29,8 +30,8 @@ def main(argv):
         i = args.index("--shape")
         shape = parse_shape(args[i + 1])
         del args[i:i + 2]
-    varlen = "--varlen" in args
-    args = [a for a in args if a != "--varlen"]
+    varlen, with_state = "--varlen" in args, "--state" in args
+    args = [a for a in args if a not in ("--varlen", "--state")]
     spec, kernel, cfg = args[0], args[1], parse_config(args[2])
     m = lrdsl.compile(spec)
     space = m.kernels.TUNING_SPACE
@@ -43,6 +44,9 @@ def main(argv):
         kw["cu_seqlens"] = torch.tensor([0, 37, n // 2, n - 64, n], device=dev, dtype=torch.int32)
     do = torch.randn(1 if varlen else shape.B, shape.T * (shape.B if varlen else 1), shape.H, shape.V,
                      device=dev, dtype=torch.bfloat16)
+    n_seq = 4 if varlen else shape.B
+    h0 = torch.randn(n_seq, shape.H, shape.K, shape.V, device=dev) if with_state else None
+    dht = torch.randn(n_seq, shape.H, shape.K, shape.V, device=dev) if with_state else None
 
     def grads(pinned):
         for n in space:
@@ -50,7 +54,13 @@ def main(argv):
             t.configs = [pinned] if n == kernel else space[n][:1]
             t.cache.clear()
         leaves = {k: t.detach().clone().requires_grad_(t.is_floating_point()) for k, t in x.items()}
-        m.chunk(**leaves, **kw)[0].backward(do)
+        if with_state:
+            leaves["initial_state"] = h0.clone().requires_grad_()
+        o, state = m.chunk(**leaves, **kw, output_final_state=with_state)[:2]
+        loss = (o.float() * do.float()).sum()
+        if with_state:
+            loss = loss + (getattr(state, "S", state) * dht).sum()
+        loss.backward()
         if dev == "cuda":
             torch.cuda.synchronize()
         return {k: t.grad.float() for k, t in leaves.items() if t.grad is not None}
