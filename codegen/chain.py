@@ -39,6 +39,11 @@ class Chain:
     log_decay: str  # unfloored log-decay text ("" without a data-dependent decay): where it is
     # below the kernels' floor, its gradient is zero
     solve: bool = False  # the offline solve's: the vectors kk and lam too
+    # value-channel inputs whose gradient is the write value's itself (z is the input, read per
+    # value head and not clamped): the host hands dz over as it is, the kernel neither reads nor
+    # copies it (gated_deltanet's v: a [B, T, HV, V] read and write saved)
+    v_given: tuple = ()
+    v_loop: bool = True  # some gradient still needs dz (the kernel's loop over value tiles)
 
 
 def _inline(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
@@ -92,4 +97,7 @@ def chain(m: ir.Mixer) -> Chain | None:
                             v_terms=tuple(("z", next(v_texts)) for _ in vt),
                             g_term=next(k_texts) if gd != 0 else "")
                   for (kt, gd), vt in zip(k_parts, v_parts))
-    return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None)
+    v_given = tuple(i.name for i in m.inputs if i.kind == "V" and not i.shared and sp.diff(z, i.symbol) == 1
+                    and (i.l2norm or i.unit or not (i.lo.is_finite or i.hi.is_finite)))
+    v_loop = any(vt for i, vt in zip((*m.inputs, *m.params), v_parts) if i.name not in v_given)
+    return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None, v_given=v_given, v_loop=v_loop)

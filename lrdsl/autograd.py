@@ -137,7 +137,7 @@ def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_au
     switched off."""
     wanted = [i for i, need in enumerate(needs) if need]
     n_aux = 0 if initial_aux is None else len(initial_aux)
-    cotangents = dict(vgrads)
+    cotangents = {n: t.float() for n, t in vgrads.items()}  # the staged backward's may be bf16
     finals = any(d is not None for d in dfinal_aux)
     if finals:  # the final states as outputs of the vector function, with zero for those not used
         for a, d in zip(mixer_ir.aux, dfinal_aux):

@@ -483,3 +483,35 @@ def test_state_passes_split_over_key_channels(stem, compiled):
             t.configs = saved[n]
             t.cache.clear()
     assert not failures, f"{stem}: {describe(errors)}"
+
+
+CLAMPED_V = """mixer clamped_v
+input q[K] l2norm, k[K] l2norm, v[V] in [-1, 1], g log, beta in (0, 1)
+S = (I - beta k k^T) exp(g) S + beta k v^T
+o = S^T q
+"""
+
+
+def test_chain_rule_hands_dz_over_only_where_it_is_the_gradient():
+    """The generated chain rule returns the staged backward's dz as v's gradient where z is v
+    itself (codegen/chain.py: Chain.v_given); not where v is clamped into a declared range (the
+    gradient is zero outside it: checked here with values outside) nor where z is a product."""
+    from lrdsl.codegen.plan import plan
+    given = lambda m: plan(m.ir).chain.v_given
+    assert given(lrdsl.compile(ROOT / "examples" / "gated_deltanet.lr", load_kernels=False)) == ("v",)
+    assert given(lrdsl.compile(text=CHAINED, load_kernels=False)) == ()
+    m = lrdsl.compile(text=CLAMPED_V, check_ranges=False)  # values outside are clamped
+    assert given(m) == ()
+    B, T, H, K, V = 1, 40, 2, 16, 16
+    x = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=2 * torch.randn(B, T, H, V),
+             g=torch.nn.functional.logsigmoid(torch.randn(B, T, H) + 2), beta=torch.rand(B, T, H))
+    do = torch.randn(B, T, H, V)
+
+    def grads(fn, dtype):
+        leaves = {n: t.to(dtype).clone().requires_grad_() for n, t in x.items()}  # fresh leaves each run
+        (fn(**leaves)[0].double() * do.double()).sum().backward()
+        return leaves["v"].grad
+
+    got, ref = grads(m.chunk, torch.float32), grads(m.reference, torch.float64)
+    assert (ref == 0).any() and (got[ref == 0] == 0).all()
+    assert rms_ratio(got, ref) < TOL_QKV
