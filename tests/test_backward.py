@@ -331,6 +331,7 @@ def reference_with_wrong_beta_gradient(monkeypatch):
     monkeypatch.setattr(lrdsl.api.Mixer, "reference", wrong)
 
 
+@pytest.mark.slow
 def test_fuzz_catches_a_gradient_only_error(reference_with_wrong_beta_gradient, compiled, capsys):
     import contextlib
     import io

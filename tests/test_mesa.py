@@ -374,6 +374,7 @@ def test_check_bounds_cg_from_the_declared_ranges():
     assert diag["solve_well_posed"] is False and diag["cg"]["argument"] == "not symmetric"
 
 
+@pytest.mark.slow
 def test_fuzz_covers_offline_solves_with_cgs_tolerance(compiled):
     """lrdsl fuzz runs recurrent, chunk and the chunk gradients of offline solves; each case's
     tolerance is CG's (cg_tolerance) from a condition-number bound of that case (kappa_bound),

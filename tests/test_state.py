@@ -143,9 +143,10 @@ o = S^T q
 # (spec, where chunk starts from): "whole" a whole state (every part differentiated), "S" the plain
 # S (auxiliary states from zero: the custom op), "kept" a whole state with keep_intermediates
 # (the general kernels); the others in -m slow
-GRAD_CASES = [("precond_deltanet", "whole"), ("precond_kda", "whole"), ("gdn2_atk", "whole"),
-              ("precond_deltanet", "S"), ("precond_kda", "kept"), ("mesa_aux", "whole"), ("stored_lets", "whole")]
-SLOW_GRAD_CASES = [("precond_kda", "S"), ("gdn2_atk", "S"), ("precond_deltanet", "kept"), ("gdn2_atk", "kept"),
+GRAD_CASES = [("precond_deltanet", "whole"), ("precond_kda", "whole"),
+              ("precond_kda", "kept"), ("mesa_aux", "whole"), ("stored_lets", "whole")]
+SLOW_GRAD_CASES = [("gdn2_atk", "whole"), ("precond_deltanet", "S"),
+                   ("precond_kda", "S"), ("gdn2_atk", "S"), ("precond_deltanet", "kept"), ("gdn2_atk", "kept"),
                    ("mesa", "whole"), ("mesa", "S"), ("mesa_aux", "S")]
 
 
@@ -204,7 +205,8 @@ def test_gradients_through_the_whole_state(name, start, compiled, monkeypatch):
     assert not bad, errors
 
 
-@pytest.mark.parametrize("name", ["mesa_aux", pytest.param("mesa", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default tier takes torch.compile through the staged path (test_backward.py)
+@pytest.mark.parametrize("name", ["mesa_aux", "mesa"])
 def test_offline_solve_under_torch_compile(name, compiled, monkeypatch):
     """torch.compile (aot_eager, fullgraph: a graph break raises) of a loss through an offline
     solve's chunk from a whole state: one graph, and the loss and the gradients of every input and
