@@ -236,7 +236,7 @@ def test_random_spec_chunk_gradients_match_reference(text, drawn):
 
 
 # ---- keep_intermediates ----------------------------------------------------------------------
-@pytest.mark.parametrize("stem", ["gated_deltanet", "kda", "precond_kda"])
+@pytest.mark.parametrize("stem", ["gated_deltanet", pytest.param("kda", marks=pytest.mark.slow), "precond_kda"])
 def test_keep_intermediates_gives_the_same_gradients(stem, compiled):
     path = ROOT / "examples" / f"{stem}.lr"
     recompute, kept = compiled(path), compiled(path, keep_intermediates=True)
@@ -461,7 +461,9 @@ def test_staged_backward_for_per_channel_decays(name, strong, monkeypatch):
     assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
 
 
-@pytest.mark.parametrize("stem", ["linear_attention", "retnet", "mamba2", "gla"])
+# linear_attention (no decay) and gla (a decay per key channel) in pytest -q; the scalar decays under -m slow
+@pytest.mark.parametrize("stem", ["linear_attention", pytest.param("retnet", marks=pytest.mark.slow),
+                                  pytest.param("mamba2", marks=pytest.mark.slow), "gla"])
 def test_state_passes_split_over_key_channels(stem, compiled):
     """Without an erase both state passes may split the state's rows over programs
     (plan.state_split_k; the reverse one for decays that are not per key channel): three slices of

@@ -13,6 +13,11 @@ from lrdsl.offline import case_tolerance
 from test_recurrent import DEVICE, EXAMPLES
 
 AUX_EXAMPLES = [p for p in EXAMPLES if lrdsl.compile(p, load_kernels=False).ir.aux]
+
+
+def one_by_default(paths, stem):
+    """pytest params of example paths: `stem` runs in pytest -q, the others under -m slow (CI runs both)."""
+    return [pytest.param(p, marks=() if p.stem == stem else pytest.mark.slow) for p in paths]
 CASE = Case(B=2, T=40, H=2, HV=4, K=16, V=12, initial_state=True, seed=21)
 SPLIT = 25  # prefill these tokens, decode the rest
 
@@ -32,7 +37,7 @@ def test_there_are_examples_with_auxiliary_states():
     assert {p.stem for p in AUX_EXAMPLES} >= {"precond_deltanet", "precond_kda", "gdn2_atk"}
 
 
-@pytest.mark.parametrize("path", AUX_EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", one_by_default(AUX_EXAMPLES, "gdn2_atk"), ids=lambda p: p.stem)
 def test_prefill_then_decode_equals_one_reference_pass(path, compiled):
     mixer = compiled(path)
     x, opts = draw_inputs(mixer, CASE, DEVICE)
@@ -53,7 +58,7 @@ def test_prefill_then_decode_equals_one_reference_pass(path, compiled):
     _close(state, ref_state, "state after decoding")
 
 
-@pytest.mark.parametrize("path", AUX_EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", one_by_default(AUX_EXAMPLES, "precond_kda"), ids=lambda p: p.stem)
 def test_every_path_continues_from_a_whole_state(path, compiled):
     """The second half from the first half's whole state (packed sequences, grouped value heads):
     chunk and recurrent against the reference, outputs and final whole states."""
