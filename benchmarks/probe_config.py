@@ -32,6 +32,8 @@ def main(argv):
         del args[i:i + 2]
     varlen, with_state = "--varlen" in args, "--state" in args
     args = [a for a in args if a not in ("--varlen", "--state")]
+    if len(args) < 3:  # the usage, not a traceback
+        sys.exit(__doc__.strip())
     spec, kernel, cfg = args[0], args[1], parse_config(args[2])
     m = lrdsl.compile(spec)
     space = m.kernels.TUNING_SPACE

@@ -40,7 +40,10 @@ if "--shape" in args:
     i = args.index("--shape")
     shape = parse_shape(args[i + 1])
     del args[i:i + 2]
-for path in [a for a in args if not a.startswith("--")]:
+specs = [a for a in args if not a.startswith("--")]
+if not specs:  # the usage, not silence
+    sys.exit(__doc__.strip())
+for path in specs:
     m = lrdsl.compile(path)
     x = draw(m, shape)
     table(m.name, lambda x: m.chunk(**x)[0], dict(x), backward)

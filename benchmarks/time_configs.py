@@ -29,6 +29,8 @@ def main(argv):
         i = args.index("--only")
         only = set(args[i + 1].split(","))
         del args[i:i + 2]
+    if len(args) < 1:  # the usage, not a traceback
+        sys.exit(__doc__.strip())
     m = lrdsl.compile(args[0])
     x = {n: t.requires_grad_() if t.is_floating_point() else t for n, t in draw(m, shape).items()}
     leaves = [t for t in x.values() if t.requires_grad]
