@@ -2,8 +2,10 @@
 
 The twin is flash-linear-attention's op for the same model when the spec is one of the examples,
 else the FLA op of the same canonical shape (erase or not; no, scalar or per-channel decay). Both
-read the same tensors. Times are medians of triton.testing.do_bench; memory is the peak allocated
-above what the inputs hold, during one call.
+read the same tensors. Two times per call: the median wall clock of triton.testing.do_bench, and the
+GPU time (the summed durations of the call's kernels under torch.profiler), which does not move with
+the host's speed where short forwards are launch-bound. Memory is the peak allocated above what the
+inputs hold, during one call.
 """
 from __future__ import annotations
 
@@ -149,6 +151,18 @@ def nominal_flop(mixer, s: Shape, bt: int = 64) -> float:
     return float(s.B * s.T * s.H * per)
 
 
+def gpu_ms(step, reps: int = 5, between=lambda: None) -> float:
+    """Summed device time of the kernels one step() launches (ms), averaged over reps steps."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            step()
+            between()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in p.key_averages()) / reps / 1000.0
+
+
 def measure(f, x: dict, s: Shape, backward: bool) -> dict:
     """Median ms of f(x) (and of forward + backward) and the peak memory above the inputs."""
     from triton.testing import do_bench
@@ -162,6 +176,7 @@ def measure(f, x: dict, s: Shape, backward: bool) -> dict:
         torch.cuda.synchronize()
         out["fwd_mem"] = torch.cuda.max_memory_allocated() - base
         out["fwd_ms"] = do_bench(lambda: f(x), warmup=25, rep=100, return_mode="median")
+        out["fwd_gpu_ms"] = gpu_ms(lambda: f(x))
     if backward:
         leaves = [t.requires_grad_() for t in x.values() if t.is_floating_point()]
         do = torch.randn_like(f(x))
@@ -178,6 +193,12 @@ def measure(f, x: dict, s: Shape, backward: bool) -> dict:
         torch.cuda.synchronize()
         out["bwd_mem"] = torch.cuda.max_memory_allocated() - base
         out["both_ms"] = do_bench(step, warmup=10, rep=50, return_mode="median", grad_to_none=leaves)
+
+        def clear():  # else the next step accumulates into .grad: an add kernel the call does not run
+            for t in leaves:
+                t.grad = None
+        clear()
+        out["both_gpu_ms"] = gpu_ms(step, between=clear)
         for t in leaves:
             t.requires_grad_(False)
             t.grad = None
@@ -202,7 +223,7 @@ def bench(mixer, s: Shape, backward: bool = False, with_twin: bool = True, log=p
                 xn = dict(x, q=_unit(x["q"]), k=_unit(x["k"]))
                 pre = measure(lambda x: tw[1](x, prenormalised=True), xn, s, backward)
                 log(f"  {mixer.name}: fla {tw[0]} on pre-normalised q, k {pre}")
-                for key in ("fwd_ms", "both_ms"):
+                for key in ("fwd_ms", "both_ms", "fwd_gpu_ms", "both_gpu_ms"):
                     if key in pre and pre[key] < row["fla"][key]:
                         row["fla"][key] = pre[key]
                         row["fla"]["pre_" + key] = True
@@ -218,23 +239,32 @@ def _prenormalisable(mixer) -> bool:
 
 
 def table(rows: list) -> str:
-    """Markdown table of bench rows. A * marks an FLA time taken on q, k normalised outside the call."""
+    """Markdown table of bench rows: wall clock (ms) and, in brackets, GPU time (ms). A * marks an FLA
+    time taken on q, k normalised outside the call."""
     gib = 2.0 ** 30
-    head = ("| mixer | shape | lrdsl fwd ms | FLA fwd ms | FLA/lrdsl fwd | lrdsl TFLOP/s | lrdsl f+b ms "
-            "| FLA f+b ms | FLA/lrdsl f+b | lrdsl / FLA f+b extra GiB | FLA op |")
+    head = ("| mixer | shape | lrdsl fwd ms (GPU) | FLA fwd ms (GPU) | FLA/lrdsl fwd (GPU) | lrdsl TFLOP/s (GPU) "
+            "| lrdsl f+b ms (GPU) | FLA f+b ms (GPU) | FLA/lrdsl f+b (GPU) | lrdsl / FLA f+b extra GiB | FLA op |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         s, ll, ff = r["shape"], r["lrdsl"], r.get("fla", {})
 
         def ms(d, k):
-            return f"{d[k]:.3f}" if k in d else "-"
+            if k not in d:
+                return "-"
+            return f"{d[k]:.3f} ({d[k[:-3] + '_gpu_ms']:.3f})" if k[:-3] + "_gpu_ms" in d else f"{d[k]:.3f}"
+
+        def one(k):
+            return f"{ff[k] / ll[k]:.2f}{'*' if ff.get('pre_' + k) else ''}" if k in ff and k in ll else "-"
 
         def ratio(k):
-            return f"{ff[k] / ll[k]:.2f}{'*' if ff.get('pre_' + k) else ''}" if k in ff and k in ll else "-"
+            g = k[:-3] + "_gpu_ms"
+            return f"{one(k)} ({one(g)})" if g in ll else one(k)
         mem = (f"{ll['bwd_mem'] / gib:.2f} / {ff['bwd_mem'] / gib:.2f}" if "bwd_mem" in ll and "bwd_mem" in ff
                else (f"{ll['bwd_mem'] / gib:.2f} / -" if "bwd_mem" in ll else "-"))
-        tflops = r["flop"] / (ll["fwd_ms"] * 1e-3) / 1e12
+        tflops = f"{r['flop'] / (ll['fwd_ms'] * 1e-3) / 1e12:.0f}"
+        if "fwd_gpu_ms" in ll:
+            tflops += f" ({r['flop'] / (ll['fwd_gpu_ms'] * 1e-3) / 1e12:.0f})"
         lines.append(f"| {r['mixer']} | {s.B},{s.T},{s.H},{s.K},{s.V} | {ms(ll, 'fwd_ms')} | {ms(ff, 'fwd_ms')} | "
-                     f"{ratio('fwd_ms')} | {tflops:.0f} | {ms(ll, 'both_ms')} | {ms(ff, 'both_ms')} | "
+                     f"{ratio('fwd_ms')} | {tflops} | {ms(ll, 'both_ms')} | {ms(ff, 'both_ms')} | "
                      f"{ratio('both_ms')} | {mem} | {r.get('twin', '-')} |")
     return "\n".join(lines)

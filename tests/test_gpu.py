@@ -375,3 +375,15 @@ def test_nonfinite_causal_gpu(name):
         err = rms_ratio(got[fin], ref[fin])
         RESULTS.append((name, "nonfinite " + part, err, 0.0))
         assert err < 5e-3, (part, err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_bench_gpu_time_counts_the_calls_kernels():
+    """`lrdsl bench`'s GPU time sums the kernels a call launches: none for a host-only call, some for
+    a forward, and the forward + backward's includes the forward's kernels."""
+    from lrdsl.bench import Shape, bench, gpu_ms
+    assert gpu_ms(lambda: None) == 0.0
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", "mamba2.lr"))
+    row = bench(mixer, Shape(1, 256, 2, 64, 64), backward=True, with_twin=False, log=lambda s: None)
+    ll = row["lrdsl"]
+    assert 0 < ll["fwd_gpu_ms"] < ll["both_gpu_ms"]
