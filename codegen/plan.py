@@ -120,9 +120,10 @@ class Plan:
     # read the auxiliary states per token; if not, the staged path does not store them (the final
     # states come from the carry between chunks)
     staged_reads_aux: bool = True
-    # warps of the aux pass's launches: its fix-up with stored lets holds several [BT, K] fp32 tiles
-    # (ptxas, precond_deltanet K=128: 255 registers at 4 warps, 2 programs per SM; 128 at 8)
-    aux_warps: int = 8
+    # warps of the aux pass's launches. Its fix-up with stored lets holds several [BT, K] fp32 tiles
+    # (ptxas, precond_deltanet K=128: 255 registers at 4 warps, 128 at 8), yet 4 warps ran faster on
+    # the H200: both launches 226 us against 308 at 8 (B=4 T=4096 H=16, ninth session)
+    aux_warps: int = 4
 
     @property
     def dstate_split_k(self) -> bool:
