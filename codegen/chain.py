@@ -100,6 +100,6 @@ def chain(m: ir.Mixer) -> Chain | None:
     # z's symbol is the input as the kernels read it: clamped into its range, or normalised (an
     # L2-normalised value is not staged today, but its gradient would not be dz either)
     v_given = tuple(i.name for i in m.inputs if i.kind == "V" and not i.shared and sp.diff(z, i.symbol) == 1
-                    and not i.l2norm and (i.unit or not (i.lo.is_finite or i.hi.is_finite)))
+                    and not i.l2norm and not i.clamped)
     v_loop = any(vt for i, vt in zip((*m.inputs, *m.params), v_parts) if i.name not in v_given)
     return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None, v_given=v_given, v_loop=v_loop)

@@ -166,8 +166,8 @@ class Plan:
 
 
 def _bounds(i: ir.Input) -> tuple:
-    """The declared range of an input as literals; none for normalised or unit inputs."""
-    if i.l2norm or i.unit:
+    """The declared range of an input as literals; none where the kernels do not clamp it."""
+    if not i.clamped:
         return "", ""
     return tuple(number(b) if b.is_finite else "" for b in (i.lo, i.hi))
 

@@ -51,6 +51,16 @@ class Input:
     def symbol(self) -> sp.Symbol:
         return symbol(self.name)
 
+    @property
+    def clamped(self) -> bool:
+        return _clamped(self)
+
+
+def _clamped(i) -> bool:
+    """The kernels clamp the input into its declared range (and check_ranges checks it there): it
+    has a finite bound and is neither normalised nor declared unit."""
+    return not (i.l2norm or i.unit) and (i.lo.is_finite or i.hi.is_finite)
+
 
 @dataclass(frozen=True)
 class Param:
@@ -70,6 +80,10 @@ class Param:
     @property
     def symbol(self) -> sp.Symbol:
         return symbol(self.name)
+
+    @property
+    def clamped(self) -> bool:
+        return _clamped(self)
 
 
 @dataclass(frozen=True)
