@@ -181,6 +181,8 @@ def plan(m: ir.Mixer) -> Plan:
     loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm, *_bounds(i)) for i in m.inputs)
     loads += tuple(Load(p.name, var(p.name), p.kind, False, False, *_bounds(p), per_head=True) for p in m.params)
     not_staged = _not_staged(m)
+    raw = _raw_operands(m) if not not_staged else ()
+    aux_lets = _aux_lets(m)
     summary = (f"mixer {m.name}",
                *("  " + line for line in printer.explicit(m).splitlines()[1:]))
     return Plan(
@@ -206,10 +208,10 @@ def plan(m: ir.Mixer) -> Plan:
         staged_backward=not not_staged,
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
-        raw=_raw_operands(m) if not not_staged else (),
-        raw_value=_raw_value(m) if not not_staged else None,
-        stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m)),
-        aux_lets=tuple(var(lt.name) for lt in _aux_lets(m)),
+        raw=raw,
+        raw_value=_raw_value(m, raw) if not not_staged else None,
+        stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m, aux_lets)),
+        aux_lets=tuple(var(lt.name) for lt in aux_lets),
         staged_reads_aux=len(m.aux) > 1 or bool(_body_symbols(m) & {a.name for a in m.aux}),
     )
 
@@ -222,10 +224,10 @@ def _raw_operands(m: ir.Mixer) -> tuple:
     return parts if all(parts) else ()
 
 
-def _raw_value(m: ir.Mixer) -> Raw | None:
-    """plan.raw_value."""
+def _raw_value(m: ir.Mixer, raw: tuple) -> Raw | None:
+    """plan.raw_value, given plan.raw."""
     v = _raw(m, m.write.value, "V") if m.delta is None else None
-    return v if v is not None and (v.factor == "1.0" or _raw_operands(m)) else None
+    return v if v is not None and (v.factor == "1.0" or raw) else None
 
 
 def _raw(m: ir.Mixer, e, kind: str) -> Raw | None:
@@ -259,10 +261,10 @@ def _body_symbols(m: ir.Mixer) -> set:
     return {s.name for e in body for s in e.free_symbols}
 
 
-def _stored_lets(m: ir.Mixer) -> tuple:
-    """The lets of _aux_lets that the kernels' own expressions read."""
+def _stored_lets(m: ir.Mixer, aux_lets: tuple) -> tuple:
+    """The lets of aux_lets (_aux_lets) that the kernels' own expressions read."""
     read = _body_symbols(m)
-    return tuple(lt for lt in _aux_lets(m) if lt.name in read)
+    return tuple(lt for lt in aux_lets if lt.name in read)
 
 
 def _floored(m: ir.Mixer) -> str:
