@@ -16,6 +16,7 @@ import torch
 from . import ir
 from .codegen.plan import Plan
 from .reference import prepare_inputs, to_torch
+from .scan import first_order_scan_triton
 from .tensors import Batch
 
 
@@ -35,6 +36,17 @@ def first_order_scan(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         a = torch.cat([a[:, :d], a[:, d:] * a[:, :-d]], 1)
         d *= 2
     return p
+
+
+# the auxiliary scans of the chain rule in Triton (lrdsl/scan.py): None for CUDA tensors only,
+# True / False always / never (tests run the Triton kernels in the interpreter)
+TRITON_SCAN = None
+
+
+def triton_scan(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether token_vectors scans with the Triton kernels (fp32 only; fp64 is the reference's)."""
+    want = device.type == "cuda" if TRITON_SCAN is None else TRITON_SCAN
+    return want and dtype == torch.float32
 
 
 def _at_ends(P: torch.Tensor, b: Batch, j: int) -> torch.Tensor:
@@ -64,7 +76,10 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = Fal
         torch.tensor(c, device=dev) for c in zip(*((bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s))]
     ends = {}
     for j, a in enumerate(m.aux):
-        alpha = _full(to_torch(a.decay)(env), shp[a.kind], dtype, dev)
+        decay = torch.as_tensor(to_torch(a.decay)(env), dtype=dtype, device=dev)
+        # a decay that is one number per head stays so ([B, T, HV, 1]) for the Triton scan
+        per_head = triton_scan(dev, dtype) and (decay.dim() == 0 or decay.shape[-1] == 1)
+        alpha = _full(decay, shp["scalar"] if per_head else shp[a.kind], dtype, dev)
         beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
         if firsts:  # the first token of a sequence decays its initial state
             rows, cols, seqs = firsts
@@ -72,7 +87,7 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = Fal
                                   accumulate=True)
         # a sequence starts from its initial state (or zero), not from what came before
         alpha = alpha * (~starts).view(1, -1, 1, 1).to(dtype)
-        env[a.name] = first_order_scan(alpha, beta)
+        env[a.name] = first_order_scan_triton(alpha, beta) if triton_scan(dev, dtype) else first_order_scan(alpha, beta)
         if finals:
             ends["final " + a.name] = _at_ends(env[a.name], b, j)
     for lt in m.lets:
