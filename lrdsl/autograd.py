@@ -5,7 +5,8 @@ directions a and c, write key u and value z, scaled query r, log-decay gl) and o
 state. After the staged backward, a generated kernel applies the chain rule to the spec's inputs
 (codegen/chain.py). Otherwise the chain rule (elementwise, plus the auxiliary scans and in-mixer
 L2 norms) runs through PyTorch autograd on the same expressions the reference evaluates, so every
-expression a spec can write is differentiated the same way. The auxiliary states at the ends of
+expression a spec can write is differentiated the same way; on CUDA tensors the auxiliary scans
+and their gradients are Triton kernels there (lrdsl/scan.py), elsewhere PyTorch doubling scans. The auxiliary states at the ends of
 the sequences (part of the final whole state) are outputs of that PyTorch function too, so their
 gradients join the vectors' there.
 """
@@ -87,7 +88,8 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = Fal
                                   accumulate=True)
         # a sequence starts from its initial state (or zero), not from what came before
         alpha = alpha * (~starts).view(1, -1, 1, 1).to(dtype)
-        env[a.name] = first_order_scan_triton(alpha, beta) if triton_scan(dev, dtype) else first_order_scan(alpha, beta)
+        scan = first_order_scan_triton if triton_scan(dev, dtype) else first_order_scan
+        env[a.name] = scan(alpha, beta)
         if finals:
             ends["final " + a.name] = _at_ends(env[a.name], b, j)
     for lt in m.lets:

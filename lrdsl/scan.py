@@ -38,11 +38,12 @@ def scan_fwd_kernel(a_ptr, b_ptr, p_ptr, T, HV: tl.constexpr, D: tl.constexpr, B
         rows = (i_b * T + i_t * BT + o_t).to(tl.int64)
         m_td = ((i_t * BT + o_t) < T)[:, None] & m_d[None, :]
         # past the end: a = 1, b = 0, so the last row of the scan is the chunk's last state
-        b_a = tl.load(a_ptr + (rows[:, None] * HV + i_h) * DA + o_da[None, :], mask=m_td, other=1).to(tl.float32)
-        b_b = tl.load(b_ptr + (rows[:, None] * HV + i_h) * D + o_d[None, :], mask=m_td, other=0).to(tl.float32)
+        p_td = (rows[:, None] * HV + i_h) * D + o_d[None, :]
+        b_a = tl.load(a_ptr + (rows[:, None] * HV + i_h) * DA + o_da[None, :], mask=m_td, other=1)
+        b_b = tl.load(b_ptr + p_td, mask=m_td, other=0)
         s_a, s_b = tl.associative_scan((b_a, b_b), 0, _compose)
         b_p = s_b + s_a * b_carry[None, :]
-        tl.store(p_ptr + (rows[:, None] * HV + i_h) * D + o_d[None, :], b_p, mask=m_td)
+        tl.store(p_ptr + p_td, b_p, mask=m_td)
         b_carry = tl.sum(tl.where(o_t[:, None] == BT - 1, b_p, 0.0), 0)
 
 
@@ -67,18 +68,19 @@ def scan_bwd_kernel(a_ptr, p_ptr, dp_ptr, da_ptr, db_ptr, T, n_bth, HV: tl.const
         rows = (i_b * T + t).to(tl.int64)
         # the coefficient of token t in the reverse scan is a_{t+1} (none after the last token)
         m_next = (t + 1 < T)[:, None] & m_d[None, :]
-        b_a = tl.load(a_ptr + ((rows[:, None] + 1) * HV + i_h) * DA + o_da[None, :], mask=m_next, other=1).to(tl.float32)
-        b_dp = tl.load(dp_ptr + (rows[:, None] * HV + i_h) * D + o_d[None, :], mask=m_td, other=0).to(tl.float32)
+        p_td = (rows[:, None] * HV + i_h) * D + o_d[None, :]
+        b_a = tl.load(a_ptr + ((rows[:, None] + 1) * HV + i_h) * DA + o_da[None, :], mask=m_next, other=1)
+        b_dp = tl.load(dp_ptr + p_td, mask=m_td, other=0)
         s_a, s_b = tl.associative_scan((b_a, b_dp), 0, _compose)
         b_dpt = s_b + s_a * b_carry[None, :]
-        tl.store(db_ptr + (rows[:, None] * HV + i_h) * D + o_d[None, :], b_dpt, mask=m_td)
+        tl.store(db_ptr + p_td, b_dpt, mask=m_td)
         m_prev = (m_t & (t >= 1))[:, None] & m_d[None, :]
-        b_prev = tl.load(p_ptr + ((rows[:, None] - 1) * HV + i_h) * D + o_d[None, :], mask=m_prev, other=0)
+        b_prev = tl.load(p_ptr + p_td - HV * D, mask=m_prev, other=0)  # P_{t-1}, zero before the first
         b_da = b_dpt * b_prev
         if PER_HEAD:
             tl.store(da_ptr + i_d * n_bth + rows * HV + i_h, tl.sum(b_da, 1), mask=m_t)
         else:
-            tl.store(da_ptr + (rows[:, None] * HV + i_h) * D + o_d[None, :], b_da, mask=m_td)
+            tl.store(da_ptr + p_td, b_da, mask=m_td)
         b_carry = tl.sum(tl.where(o_t[:, None] == BT - 1, b_dpt, 0.0), 0)
 
 
@@ -94,8 +96,7 @@ def scan_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     p = torch.empty(B, T, HV, D, dtype=torch.float32, device=b.device)
     bd, nd = _blocks(D)
     if B * T * HV * D:
-        scan_fwd_kernel[(nd, B * HV)](a, b, p, T, HV=HV, D=D, BT=BT, BD=bd, PER_HEAD=a.shape[-1] == 1,
-                                      num_warps=4)
+        scan_fwd_kernel[(nd, B * HV)](a, b, p, T, HV=HV, D=D, BT=BT, BD=bd, PER_HEAD=a.shape[-1] == 1, num_warps=4)
     return p
 
 

@@ -24,7 +24,7 @@ def _loop(a, b):
 @pytest.mark.parametrize("per_head", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["per-head", "per-channel"])
 def test_triton_scan_and_its_gradients_match_a_token_loop(per_head):
     gen = torch.Generator().manual_seed(7 + per_head)
-    B, T, HV, D = 2, 77, 3, 40  # two chunks of 64, the second partial; channel blocks of 32, the second partial
+    B, T, HV, D = 1, 77, 2, 40  # two chunks of 64, the second partial; two channel blocks of 32, the second partial
     a = torch.rand(B, T, HV, 1 if per_head else D, generator=gen, dtype=torch.float64)
     a[:, [0, 30, 64, 65]] = 0.0  # sequence starts, one on a chunk's first token
     b = torch.randn(B, T, HV, D, generator=gen, dtype=torch.float64)
