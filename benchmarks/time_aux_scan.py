@@ -1,45 +1,68 @@
 """GPU time, launches and peak memory of one forward + backward of specs with auxiliary states, with
 the chain rule's auxiliary scans in Triton (lrdsl/scan.py) and with the PyTorch doubling scan, and
-how far apart their gradients are.
+how far apart their gradients are (relative norm of the difference, per input).
 
-Usage (device machine): python benchmarks/time_aux_scan.py SPEC_STEM [SPEC_STEM ...]   (B=4 T=4096 H=16 K=V=128 bf16)
+Usage (device machine): python benchmarks/time_aux_scan.py SPEC_STEM [SPEC_STEM ...] [--shape B,T,H,K,V]
+(B=4 T=4096 H=16 K=V=128 bf16 by default). On a CPU (TRITON_INTERPRET=1) it runs as a dry run.
 """
-import sys, time, torch, lrdsl, lrdsl.autograd as ag
-from lrdsl.bench import Shape, draw
-from torch.profiler import ProfilerActivity, profile
-s = Shape()
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lrdsl, not an installed one
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import lrdsl  # noqa: E402
+import lrdsl.autograd as ag  # noqa: E402
+from lrdsl.bench import Shape, draw, parse_shape  # noqa: E402
+
+cuda = torch.cuda.is_available()
+sync = torch.cuda.synchronize if cuda else (lambda: None)
+args = [a for a in sys.argv[1:] if not a.startswith("--shape")]
+shape = next((parse_shape(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--shape=")), Shape())
+
+
 def run(m, x):
+    for t in x.values():
+        t.grad = None
     o = m.chunk(**x)[0]
     o.backward(torch.ones_like(o))
-for stem in sys.argv[1:]:
+
+
+for stem in args:
     m = lrdsl.compile(f"examples/{stem}.lr")
-    x = draw(m, s)
+    x = draw(m, shape, dtype=torch.bfloat16 if cuda else torch.float32, device="cuda" if cuda else "cpu")
     for t in x.values():
-        if t.is_floating_point(): t.requires_grad_()
+        if t.is_floating_point():
+            t.requires_grad_()
     grads = {}
-    for mode in (False, None):
+    for mode in (False, True):  # the doubling scan, then the Triton scan
         ag.TRITON_SCAN = mode
-        for t in x.values(): t.grad = None
-        run(m, x); torch.cuda.synchronize()
+        run(m, x)  # compile, tune, warm up
+        sync()
         grads[mode] = {n: t.grad.float().clone() for n, t in x.items() if t.grad is not None}
-        for t in x.values(): t.grad = None
-        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
-        run(m, x); torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        for t in x.values(): t.grad = None
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            run(m, x); torch.cuda.synchronize()
-        ka = p.key_averages()
-        gpu = sum(e.self_device_time_total for e in ka) / 1e3
-        ev = [e for e in ka if e.self_device_time_total > 0]
-        t0 = time.time(); n = 5
-        for _ in range(n):
-            for t in x.values(): t.grad = None
+        peak = 0.0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
             run(m, x)
-        torch.cuda.synchronize(); wall = (time.time() - t0) / n * 1e3
-        print(f"{stem} triton_scan={mode}: gpu {gpu:.2f} ms, wall {wall:.2f} ms, kernel names {len(ev)} launches {sum(e.count for e in ev)}, peak {peak:.2f} GiB")
-        if mode is None:
-            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14))
-    for n in grads[None]:
-        a, b = grads[None][n], grads[False][n]
-        print(f"  d{n}: rel diff triton vs doubling {((a-b).norm()/b.norm()).item():.2e}")
+            sync()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as p:
+            run(m, x)
+            sync()
+        ka = [e for e in p.key_averages() if e.self_device_time_total > 0]
+        gpu = sum(e.self_device_time_total for e in ka) / 1e3
+        t0, n = time.time(), 5
+        for _ in range(n):
+            run(m, x)
+        sync()
+        wall = (time.time() - t0) / n * 1e3
+        print(f"{stem} {'triton' if mode else 'doubling'} scan: GPU {gpu:.2f} ms, wall {wall:.2f} ms, "
+              f"{sum(e.count for e in ka)} launches, peak {peak:.2f} GiB above the inputs")
+        if mode and cuda:
+            print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=16))
+    for n, g in grads[True].items():
+        ref = grads[False][n]
+        print(f"  d{n}: |triton - doubling| / |doubling| = {((g - ref).norm() / ref.norm()).item():.2e}")
