@@ -17,7 +17,7 @@ import torch
 from . import ir
 from .codegen.plan import Plan
 from .reference import prepare_inputs, to_torch
-from .scan import first_order_scan_triton
+from .scan import first_order_scan_triton, scan_backward, scan_forward
 from .tensors import Batch
 
 
@@ -62,32 +62,46 @@ def _at_ends(P: torch.Tensor, b: Batch, j: int) -> torch.Tensor:
     return torch.where(empty.view(-1, 1, 1), start, P[rows, last])
 
 
-def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = False) -> dict:
-    """The per-token vectors of the chunked kernels, as differentiable tensors [B, T, HV, K|V];
-    with finals=True also each auxiliary state at the end of each sequence, [N, HV, K|V], under
-    the key "final <name>" (the kernels' scans give them forward; this differentiates them)."""
-    env = prepare_inputs(m, b, dtype)
+def _scan_frame(b: Batch, env: dict, dtype):
+    """(the vectors' shapes by kind, the sequence starts [T] bool, (batch row, token, sequence) of
+    each non-empty sequence's first token where the batch has initial auxiliary states, else [])."""
     dev = b.tensors["q"].device
     env["h"] = torch.arange(b.HV, device=dev, dtype=dtype).view(1, 1, b.HV, 1)
     shp = {"K": (b.B, b.T, b.HV, b.K), "V": (b.B, b.T, b.HV, b.V), "scalar": (b.B, b.T, b.HV, 1)}
     starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
     starts[[s for _, s, _ in b.sequences() if s < b.T]] = True
-    # (batch row, token, sequence) of each non-empty sequence's first token, to start from initial_aux
     firsts = [] if b.initial_aux is None else [
         torch.tensor(c, device=dev) for c in zip(*((bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s))]
+    return shp, starts, firsts
+
+
+def _scan_operands(a, j, env, b, shp, starts, firsts, dtype, per_head):
+    """(the decay a_t, the scan's coefficient (0 at sequence starts), its input) of auxiliary
+    state j: P_t = alpha_t P_{t-1} + beta_t, the initial state folded into a first token's beta.
+    With per_head, a decay that is one number per head stays [B, T, HV, 1]."""
+    dev = starts.device
+    decay = torch.as_tensor(to_torch(a.decay)(env), dtype=dtype, device=dev)
+    per_head = per_head and (decay.dim() == 0 or decay.shape[-1] == 1)
+    decay = _full(decay, shp["scalar"] if per_head else shp[a.kind], dtype, dev)
+    beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
+    if firsts:  # the first token of a sequence decays its initial state
+        rows, cols, seqs = firsts
+        beta = beta.index_put((rows, cols), decay[rows, cols] * b.initial_aux[j].to(dtype)[seqs], accumulate=True)
+    # a sequence starts from its initial state (or zero), not from what came before
+    return decay, decay * (~starts).view(1, -1, 1, 1).to(dtype), beta
+
+
+def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = False) -> dict:
+    """The per-token vectors of the chunked kernels, as differentiable tensors [B, T, HV, K|V];
+    with finals=True also each auxiliary state at the end of each sequence, [N, HV, K|V], under
+    the key "final <name>" (the kernels' scans give them forward; this differentiates them)."""
+    env = prepare_inputs(m, b, dtype)
+    shp, starts, firsts = _scan_frame(b, env, dtype)
+    dev = starts.device
     ends = {}
     for j, a in enumerate(m.aux):
-        decay = torch.as_tensor(to_torch(a.decay)(env), dtype=dtype, device=dev)
-        # a decay that is one number per head stays so ([B, T, HV, 1]) for the Triton scan
-        per_head = triton_scan(dev, dtype) and (decay.dim() == 0 or decay.shape[-1] == 1)
-        alpha = _full(decay, shp["scalar"] if per_head else shp[a.kind], dtype, dev)
-        beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
-        if firsts:  # the first token of a sequence decays its initial state
-            rows, cols, seqs = firsts
-            beta = beta.index_put((rows, cols), alpha[rows, cols] * b.initial_aux[j].to(dtype)[seqs],
-                                  accumulate=True)
-        # a sequence starts from its initial state (or zero), not from what came before
-        alpha = alpha * (~starts).view(1, -1, 1, 1).to(dtype)
+        per_head = triton_scan(dev, dtype)  # a decay that is one number per head stays so
+        _, alpha, beta = _scan_operands(a, j, env, b, shp, starts, firsts, dtype, per_head)
         scan = first_order_scan_triton if triton_scan(dev, dtype) else first_order_scan
         env[a.name] = scan(alpha, beta)
         if finals:
@@ -138,11 +152,59 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
     vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual, initial_aux)
+    if module.HAS_CHAIN_RULE and "a" not in vgrads and mixer_ir.aux:
+        grads, daux = aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux, dfinal_aux)
+        return [g if need else None for g, need in zip(grads, needs)], dh0, daux
     if module.HAS_CHAIN_RULE and "a" not in vgrads:  # the staged backward ran: its chain rule too
-        g = module.chain_rule(inputs, batch.scale, vgrads)  # (never for specs with auxiliary states)
+        g = module.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(names, needs)], dh0, []
     grads, daux = vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux, dfinal_aux)
     return grads, dh0, daux
+
+
+def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux=None, dfinal_aux=()):
+    """(every input's gradient, each auxiliary initial state's (empty when initial_aux is None))
+    through the generated chain-rule kernel, for a spec with auxiliary states (codegen/chain.py):
+    the states P by the Triton scan; a first launch gives each P's local gradient (the vectors'
+    derivatives in P), to which each sequence's final-state gradient is added at its last token;
+    the reverse scan turns it into the gradients of the scan's write and decay; a second launch
+    adds their derivatives to the inputs' (it recomputes the first's terms: one kernel, twice)."""
+    b = _batch_like(batch, dict(zip(inputs, tensors)))
+    if initial_aux is not None:
+        b = dataclasses.replace(b, initial_aux=tuple(initial_aux))
+    with torch.no_grad():
+        env = prepare_inputs(mixer_ir, b, torch.float32)
+        shp, starts, firsts = _scan_frame(b, env, torch.float32)
+        ops = [_scan_operands(a, j, env, b, shp, starts, firsts, torch.float32, False)
+               for j, a in enumerate(mixer_ir.aux)]
+        states = [scan_forward(alpha, beta) for _, alpha, beta in ops]
+        zero = torch.zeros_like(states[0])
+        extra = {n: zero for n in module.CHAIN_AUX for n in ("aw_" + n, "ad_" + n)}
+        local = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states)
+        seqs = b.sequences()
+        live = [(n, bi, e - 1) for n, (bi, s, e) in enumerate(seqs) if e > s]
+        daux = []
+        for j, (a, (decay, alpha, _), P) in enumerate(zip(mixer_ir.aux, ops, states)):
+            dp = local["aux " + a.name]
+            d_end = dfinal_aux[j] if j < len(dfinal_aux) else None
+            if d_end is not None and live:  # the final state is P at the sequence's last token
+                n, rows, cols = (torch.tensor(c, device=dp.device) for c in zip(*live))
+                dp.index_put_((rows, cols), d_end.float()[n], accumulate=True)
+            dalpha, dbeta = scan_backward(alpha, P, dp)
+            ddecay = dalpha * (~starts).view(1, -1, 1, 1).float()
+            if initial_aux is not None:
+                # the initial state enters as decay_first * P0: an empty sequence hands it over as is
+                d0 = torch.zeros_like(initial_aux[j], dtype=torch.float32)
+                if d_end is not None:
+                    d0 += d_end.float()
+                if firsts:
+                    rows, cols, n = firsts
+                    d0[n] = dbeta[rows, cols] * decay[rows, cols]
+                    ddecay[rows, cols] += dbeta[rows, cols] * initial_aux[j].float()[n]
+                daux.append(d0)
+            extra["aw_" + a.name], extra["ad_" + a.name] = dbeta, ddecay
+        g = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states)
+    return [g[n] for n in inputs], daux
 
 
 def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux=None, dfinal_aux=()):
