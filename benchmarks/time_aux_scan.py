@@ -1,6 +1,7 @@
-"""GPU time, launches and peak memory of one forward + backward of specs with auxiliary states, with
-the chain rule's auxiliary scans in Triton (lrdsl/scan.py) and with the PyTorch doubling scan, and
-how far apart their gradients are (relative norm of the difference, per input).
+"""GPU time, launches and peak memory of one forward + backward of specs with auxiliary states: the
+PyTorch chain rule with the doubling scan, with the Triton scan (lrdsl/scan.py), and the generated
+chain-rule kernel around the Triton reverse scan (autograd.aux_chain_rule); and how far the latter
+two's gradients are from the first's (relative norm of the difference, per input).
 
 Usage (device machine): python benchmarks/time_aux_scan.py SPEC_STEM [SPEC_STEM ...] [--shape B,T,H,K,V]
 (B=4 T=4096 H=16 K=V=128 bf16 by default). On a CPU (TRITON_INTERPRET=1) it runs as a dry run.
@@ -37,8 +38,8 @@ for stem in args:
         if t.is_floating_point():
             t.requires_grad_()
     grads = {}
-    for mode in (False, True):  # the doubling scan, then the Triton scan
-        ag.TRITON_SCAN = mode
+    modes = {"doubling scan": (False, False), "triton scan": (True, False), "generated chain": (True, True)}
+    for mode, (ag.TRITON_SCAN, ag.GENERATED_AUX_CHAIN) in modes.items():
         run(m, x)  # compile, tune, warm up
         sync()
         grads[mode] = {n: t.grad.float().clone() for n, t in x.items() if t.grad is not None}
@@ -59,10 +60,11 @@ for stem in args:
             run(m, x)
         sync()
         wall = (time.time() - t0) / n * 1e3
-        print(f"{stem} {'triton' if mode else 'doubling'} scan: GPU {gpu:.2f} ms, wall {wall:.2f} ms, "
+        print(f"{stem} {mode}: GPU {gpu:.2f} ms, wall {wall:.2f} ms, "
               f"{sum(e.count for e in ka)} launches, peak {peak:.2f} GiB above the inputs")
-        if mode and cuda:
+        if mode != "doubling scan" and cuda:
             print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=16))
-    for n, g in grads[True].items():
-        ref = grads[False][n]
-        print(f"  d{n}: |triton - doubling| / |doubling| = {((g - ref).norm() / ref.norm()).item():.2e}")
+    for mode in ("triton scan", "generated chain"):
+        for n, g in grads[mode].items():
+            ref = grads["doubling scan"][n]
+            print(f"  {mode} d{n}: |{mode} - doubling| / |doubling| = {((g - ref).norm() / ref.norm()).item():.2e}")

@@ -3,7 +3,8 @@
 The generated backward returns the gradients of the per-token vectors the kernels consume (erase
 directions a and c, write key u and value z, scaled query r, log-decay gl) and of the initial
 state. After the staged backward, a generated kernel applies the chain rule to the spec's inputs
-(codegen/chain.py). Otherwise the chain rule (elementwise, plus the auxiliary scans and in-mixer
+(codegen/chain.py); with key-channel auxiliary states twice, around a Triton reverse scan of the
+states' gradients (aux_chain_rule). Otherwise the chain rule (elementwise, plus the auxiliary scans and in-mixer
 L2 norms) runs through PyTorch autograd on the same expressions the reference evaluates, so every
 expression a spec can write is differentiated the same way; on CUDA tensors the auxiliary scans
 and their gradients are Triton kernels there (lrdsl/scan.py), elsewhere PyTorch doubling scans. The auxiliary states at the ends of
@@ -42,6 +43,11 @@ def first_order_scan(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
 # the auxiliary scans of the chain rule in Triton (lrdsl/scan.py): None for CUDA tensors only,
 # True / False always / never (tests run the Triton kernels in the interpreter)
 TRITON_SCAN = None
+
+
+# specs with key-channel auxiliary states: the generated chain rule (aux_chain_rule) after the staged
+# backward; False: the PyTorch one (vector_chain_rule), as before (benchmarks/time_aux_scan.py)
+GENERATED_AUX_CHAIN = True
 
 
 def triton_scan(device: torch.device, dtype: torch.dtype) -> bool:
@@ -152,10 +158,11 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
     vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual, initial_aux)
-    if module.HAS_CHAIN_RULE and "a" not in vgrads and mixer_ir.aux:
-        grads, daux = aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux, dfinal_aux)
-        return [g if need else None for g, need in zip(grads, needs)], dh0, daux
-    if module.HAS_CHAIN_RULE and "a" not in vgrads:  # the staged backward ran: its chain rule too
+    # the staged backward ran: its generated chain rule too
+    if module.HAS_CHAIN_RULE and "a" not in vgrads and (GENERATED_AUX_CHAIN or not mixer_ir.aux):
+        if mixer_ir.aux:
+            grads, daux = aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux, dfinal_aux)
+            return [g if need else None for g, need in zip(grads, needs)], dh0, daux
         g = module.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(names, needs)], dh0, []
     grads, daux = vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux, dfinal_aux)
