@@ -179,8 +179,12 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
     b = _batch_like(batch, dict(zip(inputs, tensors)))
     if initial_aux is not None:
         b = dataclasses.replace(b, initial_aux=tuple(initial_aux))
+    # only the inputs the scans read (the kernel reads the rest): no fp32 copies of q, v, ...
+    used = {s.name for a in mixer_ir.aux for e in (a.decay, a.write) for s in e.free_symbols}
+    scans_ir = dataclasses.replace(mixer_ir, inputs=tuple(i for i in mixer_ir.inputs if i.name in used),
+                                   params=tuple(p for p in mixer_ir.params if p.name in used))
     with torch.no_grad():
-        env = prepare_inputs(mixer_ir, b, torch.float32)
+        env = prepare_inputs(scans_ir, b, torch.float32)
         shp, starts, firsts = _scan_frame(b, env, torch.float32)
         ops = [_scan_operands(a, j, env, b, shp, starts, firsts, torch.float32, False)
                for j, a in enumerate(mixer_ir.aux)]
