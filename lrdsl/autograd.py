@@ -175,7 +175,7 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
     the states P by the Triton scan; a first launch gives each P's local gradient (the vectors'
     derivatives in P), to which each sequence's final-state gradient is added at its last token;
     the reverse scan turns it into the gradients of the scan's write and decay; a second launch
-    adds their derivatives to the inputs' (it recomputes the first's terms: one kernel, twice)."""
+    gives the inputs' gradients with their derivatives (one kernel: AUX_LOCAL picks its part)."""
     b = _batch_like(batch, dict(zip(inputs, tensors)))
     if initial_aux is not None:
         b = dataclasses.replace(b, initial_aux=tuple(initial_aux))
@@ -191,7 +191,7 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
         states = [scan_forward(alpha, beta) for _, alpha, beta in ops]
         zero = torch.zeros_like(states[0])
         extra = {n: zero for n in module.CHAIN_AUX for n in ("aw_" + n, "ad_" + n)}
-        local = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states)
+        local = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states, local=True)
         seqs = b.sequences()
         live = [(n, bi, e - 1) for n, (bi, s, e) in enumerate(seqs) if e > s]
         daux = []
