@@ -9,8 +9,12 @@ the range clamp. A param's line is the same: its per-token terms, summed over th
 host. sympy differentiates; `cse` shares the common subexpressions; texpr lowers them.
 The offline solve's backward (codegen/solve.py) ends in the same kernel, with two more key-channel
 vectors: the Gram state's other side kk (the key k) and the regulariser lam.
-Specs with auxiliary states (scans) keep the PyTorch chain rule: their inputs reach the vectors
-through a recurrence, not elementwise.
+An auxiliary state P (a key-channel scan P_t = a_t P_{t-1} + w_t) is one more per-token operand
+here: the kernel reads P and stores P's local gradient (the vectors' derivatives in P); the host
+scans that back over the tokens (lrdsl/scan.py) into the gradients of the write w and the decay a,
+two more key-channel vectors (aw_P, ad_P) of a second launch of the same kernel
+(autograd.aux_chain_rule). Value-channel states, states read by other states' scans or by the
+write value or a scalar decay keep the PyTorch chain rule.
 """
 from __future__ import annotations
 
@@ -39,6 +43,10 @@ class Chain:
     log_decay: str  # unfloored log-decay text ("" without a data-dependent decay): where it is
     # below the kernels' floor, its gradient is zero
     solve: bool = False  # the offline solve's: the vectors kk and lam too
+    # key-channel vectors beyond u, c, r and gl, in the kernel's argument order: the solve's kk and
+    # lam, each auxiliary state's write aw_P and decay ad_P
+    extra: tuple = ()
+    aux: tuple = ()  # (name, terms): each auxiliary state and its local gradient's (vector, text)
     # value-channel inputs whose gradient is the write value's itself (z is the input, read per
     # value head and not clamped): the host hands dz over as it is, the kernel neither reads nor
     # copies it (gated_deltanet's v: a [B, T, HV, V] read and write saved)
@@ -64,7 +72,9 @@ def _lower(exprs: list, prefix: str, taken: set):
 def chain(m: ir.Mixer) -> Chain | None:
     """The generated chain rule for a staged or offline-solve spec, or None where it cannot be
     generated."""
-    if m.aux:
+    names = {a.name for a in m.aux}
+    if any(a.kind != "K" or (a.decay.free_symbols | a.write.free_symbols) & {ir.symbol(n) for n in names}
+           for a in m.aux):
         return None
     kv = {"u": m.write.key, "r": m.query}
     if m.delta is not None:
@@ -77,6 +87,16 @@ def chain(m: ir.Mixer) -> Chain | None:
     kv = {n: _inline(m, e) for n, e in kv.items()}
     z = _inline(m, m.write.value)
     gl = _inline(m, m.log_decay()) if m.decay.kind == "scalar" else None
+    syms = [ir.symbol(a.name) for a in m.aux]
+    if any(s in e.free_symbols for s in syms for e in [z, *([gl] if gl is not None else []),
+                                                         *(_inline(m, a.decay) for a in m.aux),
+                                                         *(_inline(m, a.write) for a in m.aux)]):
+        return None
+    # the state's own derivatives, while the vectors are the ones P reaches; then its write and decay
+    p_parts = [[(n, d) for n, d in ((n, sp.diff(e, s)) for n, e in kv.items()) if d != 0] for s in syms]
+    for a in m.aux:
+        kv["aw_" + a.name] = _inline(m, a.write)
+        kv["ad_" + a.name] = _inline(m, a.decay)
     # every derivative, per input: key-channel ones (and the log-decay's), value-channel ones
     k_parts, v_parts = [], []
     for i in (*m.inputs, *m.params):  # in the order of the plan's loads
@@ -85,6 +105,7 @@ def chain(m: ir.Mixer) -> Chain | None:
         k_parts.append((kt, gd))
         v_parts.append([d for d in [sp.diff(z, i.symbol)] if d != 0])
     k_exprs = [d for kt, gd in k_parts for d in [d for _, d in kt] + ([gd] if gd != 0 else [])]
+    k_exprs += [d for pt in p_parts for _, d in pt]
     v_exprs = [d for vt in v_parts for d in vt]
     try:
         k_temps, k_texts = _lower(k_exprs, "cse_k", set(m.kinds()))
@@ -97,9 +118,13 @@ def chain(m: ir.Mixer) -> Chain | None:
                             v_terms=tuple(("z", next(v_texts)) for _ in vt),
                             g_term=next(k_texts) if gd != 0 else "")
                   for (kt, gd), vt in zip(k_parts, v_parts))
+    aux = tuple((a.name, tuple((n, next(k_texts)) for n, _ in pt)) for a, pt in zip(m.aux, p_parts))
+    extra = (("kk", "lam") if m.solve_lam is not None else ()) + tuple(
+        p + a.name for a in m.aux for p in ("aw_", "ad_"))
     # z's symbol is the input as the kernels read it: clamped into its range, or normalised (an
     # L2-normalised value is not staged today, but its gradient would not be dz either)
     v_given = tuple(i.name for i in m.inputs if i.kind == "V" and not i.shared and sp.diff(z, i.symbol) == 1
                     and not i.l2norm and not i.clamped)
     v_loop = any(vt for i, vt in zip((*m.inputs, *m.params), v_parts) if i.name not in v_given)
-    return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None, v_given=v_given, v_loop=v_loop)
+    return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None, v_given=v_given, v_loop=v_loop,
+                 extra=extra, aux=aux)

@@ -208,6 +208,7 @@ def plan(m: ir.Mixer) -> Plan:
         staged_backward=not not_staged,
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
+        chain_rows=8 if m.aux else 32,  # aux specs: 16 rows took 255 registers (ptxas), 32 spilled
         raw=raw,
         raw_value=_raw_value(m, raw) if not not_staged else None,
         stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m, aux_lets)),

@@ -3,9 +3,11 @@
 The generated backward returns the gradients of the per-token vectors the kernels consume (erase
 directions a and c, write key u and value z, scaled query r, log-decay gl) and of the initial
 state. After the staged backward, a generated kernel applies the chain rule to the spec's inputs
-(codegen/chain.py). Otherwise the chain rule (elementwise, plus the auxiliary scans and in-mixer
+(codegen/chain.py); with key-channel auxiliary states twice, around a Triton reverse scan of the
+states' gradients (aux_chain_rule). Otherwise the chain rule (elementwise, plus the auxiliary scans and in-mixer
 L2 norms) runs through PyTorch autograd on the same expressions the reference evaluates, so every
-expression a spec can write is differentiated the same way. The auxiliary states at the ends of
+expression a spec can write is differentiated the same way; on CUDA tensors the auxiliary scans
+and their gradients are Triton kernels there (lrdsl/scan.py), elsewhere PyTorch doubling scans. The auxiliary states at the ends of
 the sequences (part of the final whole state) are outputs of that PyTorch function too, so their
 gradients join the vectors' there.
 """
@@ -16,6 +18,7 @@ import torch
 from . import ir
 from .codegen.plan import Plan
 from .reference import prepare_inputs, to_torch
+from .scan import first_order_scan_triton, scan_backward, scan_forward
 from .tensors import Batch
 
 
@@ -37,6 +40,22 @@ def first_order_scan(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return p
 
 
+# the auxiliary scans of the chain rule in Triton (lrdsl/scan.py): None for CUDA tensors only,
+# True / False always / never (tests run the Triton kernels in the interpreter)
+TRITON_SCAN = None
+
+
+# specs with key-channel auxiliary states: the generated chain rule (aux_chain_rule) after the staged
+# backward; False: the PyTorch one (vector_chain_rule), as before (benchmarks/time_aux_scan.py)
+GENERATED_AUX_CHAIN = True
+
+
+def triton_scan(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether token_vectors scans with the Triton kernels (fp32 only; fp64 is the reference's)."""
+    want = device.type == "cuda" if TRITON_SCAN is None else TRITON_SCAN
+    return want and dtype == torch.float32
+
+
 def _at_ends(P: torch.Tensor, b: Batch, j: int) -> torch.Tensor:
     """An auxiliary state [B, T, HV, D] at the end of each sequence, [N, HV, D]; an empty sequence
     keeps its initial state (b.initial_aux[j], or zero)."""
@@ -49,30 +68,48 @@ def _at_ends(P: torch.Tensor, b: Batch, j: int) -> torch.Tensor:
     return torch.where(empty.view(-1, 1, 1), start, P[rows, last])
 
 
-def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = False) -> dict:
-    """The per-token vectors of the chunked kernels, as differentiable tensors [B, T, HV, K|V];
-    with finals=True also each auxiliary state at the end of each sequence, [N, HV, K|V], under
-    the key "final <name>" (the kernels' scans give them forward; this differentiates them)."""
-    env = prepare_inputs(m, b, dtype)
+def _scan_frame(b: Batch, env: dict, dtype):
+    """(the vectors' shapes by kind, the sequence starts [T] bool, (batch row, token, sequence) of
+    each non-empty sequence's first token where the batch has initial auxiliary states, else [])."""
     dev = b.tensors["q"].device
     env["h"] = torch.arange(b.HV, device=dev, dtype=dtype).view(1, 1, b.HV, 1)
     shp = {"K": (b.B, b.T, b.HV, b.K), "V": (b.B, b.T, b.HV, b.V), "scalar": (b.B, b.T, b.HV, 1)}
     starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
     starts[[s for _, s, _ in b.sequences() if s < b.T]] = True
-    # (batch row, token, sequence) of each non-empty sequence's first token, to start from initial_aux
     firsts = [] if b.initial_aux is None else [
         torch.tensor(c, device=dev) for c in zip(*((bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s))]
+    return shp, starts, firsts
+
+
+def _scan_operands(a, j, env, b, shp, starts, firsts, dtype, per_head):
+    """(the decay a_t, the scan's coefficient (0 at sequence starts), its input) of auxiliary
+    state j: P_t = alpha_t P_{t-1} + beta_t, the initial state folded into a first token's beta.
+    With per_head, a decay that is one number per head stays [B, T, HV, 1]."""
+    dev = starts.device
+    decay = torch.as_tensor(to_torch(a.decay)(env), dtype=dtype, device=dev)
+    per_head = per_head and (decay.dim() == 0 or decay.shape[-1] == 1)
+    decay = _full(decay, shp["scalar"] if per_head else shp[a.kind], dtype, dev)
+    beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
+    if firsts:  # the first token of a sequence decays its initial state
+        rows, cols, seqs = firsts
+        beta = beta.index_put((rows, cols), decay[rows, cols] * b.initial_aux[j].to(dtype)[seqs], accumulate=True)
+    # a sequence starts from its initial state (or zero), not from what came before
+    return decay, decay * (~starts).view(1, -1, 1, 1).to(dtype), beta
+
+
+def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = False) -> dict:
+    """The per-token vectors of the chunked kernels, as differentiable tensors [B, T, HV, K|V];
+    with finals=True also each auxiliary state at the end of each sequence, [N, HV, K|V], under
+    the key "final <name>" (the kernels' scans give them forward; this differentiates them)."""
+    env = prepare_inputs(m, b, dtype)
+    shp, starts, firsts = _scan_frame(b, env, dtype)
+    dev = starts.device
     ends = {}
     for j, a in enumerate(m.aux):
-        alpha = _full(to_torch(a.decay)(env), shp[a.kind], dtype, dev)
-        beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
-        if firsts:  # the first token of a sequence decays its initial state
-            rows, cols, seqs = firsts
-            beta = beta.index_put((rows, cols), alpha[rows, cols] * b.initial_aux[j].to(dtype)[seqs],
-                                  accumulate=True)
-        # a sequence starts from its initial state (or zero), not from what came before
-        alpha = alpha * (~starts).view(1, -1, 1, 1).to(dtype)
-        env[a.name] = first_order_scan(alpha, beta)
+        per_head = triton_scan(dev, dtype)  # a decay that is one number per head stays so
+        _, alpha, beta = _scan_operands(a, j, env, b, shp, starts, firsts, dtype, per_head)
+        scan = first_order_scan_triton if triton_scan(dev, dtype) else first_order_scan
+        env[a.name] = scan(alpha, beta)
         if finals:
             ends["final " + a.name] = _at_ends(env[a.name], b, j)
     for lt in m.lets:
@@ -121,11 +158,64 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
     vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual, initial_aux)
-    if module.HAS_CHAIN_RULE and "a" not in vgrads:  # the staged backward ran: its chain rule too
-        g = module.chain_rule(inputs, batch.scale, vgrads)  # (never for specs with auxiliary states)
+    # the staged backward ran: its generated chain rule too
+    if module.HAS_CHAIN_RULE and "a" not in vgrads and (GENERATED_AUX_CHAIN or not mixer_ir.aux):
+        if mixer_ir.aux:
+            grads, daux = aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux, dfinal_aux)
+            return [g if need else None for g, need in zip(grads, needs)], dh0, daux
+        g = module.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(names, needs)], dh0, []
     grads, daux = vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux, dfinal_aux)
     return grads, dh0, daux
+
+
+def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux=None, dfinal_aux=()):
+    """(every input's gradient, each auxiliary initial state's (empty when initial_aux is None))
+    through the generated chain-rule kernel, for a spec with auxiliary states (codegen/chain.py):
+    the states P by the Triton scan; a first launch gives each P's local gradient (the vectors'
+    derivatives in P), to which each sequence's final-state gradient is added at its last token;
+    the reverse scan turns it into the gradients of the scan's write and decay; a second launch
+    gives the inputs' gradients with their derivatives (one kernel: AUX_LOCAL picks its part)."""
+    b = _batch_like(batch, dict(zip(inputs, tensors)))
+    if initial_aux is not None:
+        b = dataclasses.replace(b, initial_aux=tuple(initial_aux))
+    # only the inputs the scans read (the kernel reads the rest): no fp32 copies of q, v, ...
+    used = {s.name for a in mixer_ir.aux for e in (a.decay, a.write) for s in e.free_symbols}
+    scans_ir = dataclasses.replace(mixer_ir, inputs=tuple(i for i in mixer_ir.inputs if i.name in used),
+                                   params=tuple(p for p in mixer_ir.params if p.name in used))
+    with torch.no_grad():
+        env = prepare_inputs(scans_ir, b, torch.float32)
+        shp, starts, firsts = _scan_frame(b, env, torch.float32)
+        ops = [_scan_operands(a, j, env, b, shp, starts, firsts, torch.float32, False)
+               for j, a in enumerate(mixer_ir.aux)]
+        states = [scan_forward(alpha, beta) for _, alpha, beta in ops]
+        zero = torch.zeros_like(states[0])
+        extra = {n: zero for n in module.CHAIN_AUX for n in ("aw_" + n, "ad_" + n)}
+        local = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states, local=True)
+        seqs = b.sequences()
+        live = [(n, bi, e - 1) for n, (bi, s, e) in enumerate(seqs) if e > s]
+        daux = []
+        for j, (a, (decay, alpha, _), P) in enumerate(zip(mixer_ir.aux, ops, states)):
+            dp = local["aux " + a.name]
+            d_end = dfinal_aux[j] if j < len(dfinal_aux) else None
+            if d_end is not None and live:  # the final state is P at the sequence's last token
+                n, rows, cols = (torch.tensor(c, device=dp.device) for c in zip(*live))
+                dp.index_put_((rows, cols), d_end.float()[n], accumulate=True)
+            dalpha, dbeta = scan_backward(alpha, P, dp)
+            ddecay = dalpha * (~starts).view(1, -1, 1, 1).float()
+            if initial_aux is not None:
+                # the initial state enters as decay_first * P0: an empty sequence hands it over as is
+                d0 = torch.zeros_like(initial_aux[j], dtype=torch.float32)
+                if d_end is not None:
+                    d0 += d_end.float()
+                if firsts:
+                    rows, cols, n = firsts
+                    d0[n] = dbeta[rows, cols] * decay[rows, cols]
+                    ddecay[rows, cols] += dbeta[rows, cols] * initial_aux[j].float()[n]
+                daux.append(d0)
+            extra["aw_" + a.name], extra["ad_" + a.name] = dbeta, ddecay
+        g = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states)
+    return [g[n] for n in inputs], daux
 
 
 def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_aux=None, dfinal_aux=()):

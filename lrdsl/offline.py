@@ -156,7 +156,7 @@ def input_grads(mixer, batch, inputs, tensors, needs, vgrads, aux0=None, daux=()
     """(the inputs' gradients (None where not needed), the auxiliary initial states') from the
     per-token vectors' vgrads: the generated chain-rule kernel where the module has one (specs
     without auxiliary states), else PyTorch's (autograd.vector_chain_rule)."""
-    if mixer.kernels.HAS_CHAIN_RULE:
+    if mixer.kernels.HAS_CHAIN_RULE and not mixer.ir.aux:  # (autograd.aux_chain_rule: staged only)
         g = mixer.kernels.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(inputs, needs)], []
     from .autograd import vector_chain_rule
