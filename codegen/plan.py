@@ -147,8 +147,13 @@ class Plan:
 
     @property
     def raw_scaled(self) -> bool:
-        """plan.raw's state pass scales its key tile: a decay, or a factor of the write."""
-        return self.decay_kind != "identity" or any(r.factor != "1.0" for r in self.raw[:2])
+        """plan.raw's state pass scales its value tile's rows: a decay, or a factor of the write."""
+        return self.decay_kind != "identity" or self.raw_write_factor
+
+    @property
+    def raw_write_factor(self) -> bool:
+        """plan.raw's write key or value carries a per-token factor."""
+        return any(r.factor != "1.0" for r in self.raw[:2])
 
     @property
     def vector_args(self) -> str:

@@ -75,7 +75,7 @@ def test_strong_decay_does_not_overflow(name, compiled):
 
 def test_raw_operands_with_per_token_factors():
     """The raw-operand path (plan.raw) with a per-token factor on the write and on the query: the
-    state pass scales the key tile's columns, the output stage the products' rows and columns."""
+    state pass scales the value tile's rows, the output stage the products' rows and columns."""
     from lrdsl.codegen.plan import plan
     mixer = lrdsl.compile(text="mixer raw_factors\ninput q[K] shared, k[K] shared, v[V], b in (0, 1), g log\n"
                                "S = exp(g) S + k (b * v)^T\no = S^T (2 * q)\n")
