@@ -20,7 +20,7 @@ import sympy as sp
 
 from lrdsl import ir, primitives
 
-from .texpr import code, var
+from .texpr import code, number, var
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,12 @@ class Chain:
     # copies it (gated_deltanet's v: a [B, T, HV, V] read and write saved)
     v_given: tuple = ()
     v_loop: bool = True  # some gradient still needs dz (the kernel's loop over value tiles)
+    # where every input's gradient is one vector's own (linear attention, RetNet, Mamba-2: q, k, v
+    # and a log-decay input read as they are): (input, vector, lo, hi) per input, lo and hi the
+    # declared range's literals of a log-decay input ("" where open); else (). Then no kernel runs:
+    # the staged backward scales r's gradient itself (r = q * scale), the host masks the log-decay's
+    # where the input was clamped or floored and casts (chain_rule.py.jinja)
+    direct: tuple = ()
 
 
 def _inline(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
@@ -102,4 +108,27 @@ def chain(m: ir.Mixer) -> Chain | None:
     v_given = tuple(i.name for i in m.inputs if i.kind == "V" and not i.shared and sp.diff(z, i.symbol) == 1
                     and not i.l2norm and (i.unit or not (i.lo.is_finite or i.hi.is_finite)))
     v_loop = any(vt for i, vt in zip((*m.inputs, *m.params), v_parts) if i.name not in v_given)
-    return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None, v_given=v_given, v_loop=v_loop)
+    return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None, v_given=v_given, v_loop=v_loop,
+                 direct=_direct(m, gl, k_parts, v_parts, v_given))
+
+
+def _direct(m: ir.Mixer, gl, k_parts: list, v_parts: list, v_given: tuple) -> tuple:
+    """Chain.direct: each input's gradient is one vector's, no two inputs share a vector, and no
+    input is normalised or clamped but a scalar log-decay input (its gradient is the log-decay's,
+    masked). A decay per key channel keeps the kernel (its backward's vector gradients are fp32)."""
+    if m.params or m.solve_lam is not None or m.decay.kind == "diagonal":
+        return ()
+    out = []
+    for i, (kt, gd), vt in zip(m.inputs, k_parts, v_parts):
+        if i.kind == "V" and not kt and gd == 0 and i.name in v_given:
+            out.append((i.name, "z", "", ""))
+        elif (i.kind == "K" and len(kt) == 1 and kt[0][1] == 1 and kt[0][0] in ("u", "c", "r") and gd == 0
+              and not vt and not i.l2norm and (i.unit or not (i.lo.is_finite or i.hi.is_finite))):
+            out.append((i.name, kt[0][0], "", ""))
+        elif (i.kind == "scalar" and not i.shared and not kt and not vt and gl is not None
+              and sp.simplify(gl - i.symbol) == 0):
+            out.append((i.name, "gl", *(number(b) if b.is_finite else "" for b in (i.lo, i.hi))))
+        else:
+            return ()
+    vectors = [vec for _, vec, _, _ in out]
+    return tuple(out) if len(set(vectors)) == len(vectors) else ()

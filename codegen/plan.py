@@ -131,6 +131,12 @@ class Plan:
         return self.state_split_k and self.decay_kind != "diagonal"
 
     @property
+    def dr_factor(self) -> str:
+        """What the staged dq kernel multiplies r's gradient by: the scale where the chain rule is
+        direct (Chain.direct: it is then q's gradient, and no chain kernel runs), else nothing."""
+        return " * scale" if self.chain is not None and self.chain.direct else ""
+
+    @property
     def raw_scaled(self) -> bool:
         """plan.raw's state pass scales its key tile: a decay, or a factor of the write."""
         return self.decay_kind != "identity" or any(r.factor != "1.0" for r in self.raw[:2])

@@ -419,6 +419,29 @@ def test_generated_chain_rule_through_lets_gates_heads_and_clamps(text, wanted, 
     assert len(calls) == 1
 
 
+def test_direct_chain_rule_runs_no_kernel():
+    """Where every input's gradient is one per-token vector's (Chain.direct: mamba2's q, k, v and
+    g), no chain kernel runs: dq is scaled inside the staged backward, q's and k's are summed over
+    grouped value heads, g's is zero where g was clamped (> 0) or floored (< -20) by the kernels.
+    Gradients against the float64 reference; specs with an L2 norm or a gate keep the kernel."""
+    from lrdsl.codegen.plan import plan
+    direct = lambda stem: plan(lrdsl.compile(ROOT / "examples" / f"{stem}.lr", load_kernels=False).ir).chain.direct
+    assert [d[:2] for d in direct("linear_attention")] == [("q", "r"), ("k", "u"), ("v", "z")]
+    assert direct("retnet") and not direct("gated_deltanet") and not direct("gla") and not direct("deltanet")
+    assert direct("mamba2")[-1] == ("g", "gl", "", "0.0")
+    mixer = lrdsl.compile(ROOT / "examples" / "mamba2.lr", check_ranges=False)
+    assert not hasattr(mixer.kernels, "staged_chain_kernel")
+
+    def edit(x):
+        x["g"][0, 3::9, 1] = 0.4  # clamped to 0: a gradient of zero there
+        x["g"][0, 7::11, 2] = -25.0  # floored at -20: the same
+
+    case = Case(B=1, T=70, H=2, HV=4, K=20, V=12, initial_state=True, scale=0.7, seed=41)
+    errors, failures = compare(mixer, case, output_final_state=True, seed=42, edit=edit)
+    assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
+    assert {"dq", "dk", "dv", "dg"} <= set(errors)
+
+
 @pytest.mark.parametrize("name", ["gated_deltanet", "kda", "gla"])
 def test_backward_reuses_the_forwards_solve(name, compiled, monkeypatch):
     """The staged forward hands what its solve made (the WY inverse X; with a decay per key
