@@ -137,6 +137,14 @@ class Plan:
         return " * scale" if self.chain is not None and self.chain.direct else ""
 
     @property
+    def value_tile(self) -> str:
+        """The helper that makes the backward's write-value tiles (their only use there: a product's
+        operand): _raw_v where the value is an input's tile as stored (plan.raw_value without a
+        factor), so that tl.dot reads it from the shared-memory buffer it is loaded into, else
+        _staged_v (the spec's expression, evaluated in registers)."""
+        return "_raw_v" if self.raw_value is not None and self.raw_value.factor == "1.0" else "_staged_v"
+
+    @property
     def raw_scaled(self) -> bool:
         """plan.raw's state pass scales its key tile: a decay, or a factor of the write."""
         return self.decay_kind != "identity" or any(r.factor != "1.0" for r in self.raw[:2])
