@@ -16,7 +16,8 @@ from lrdsl.bench import Shape, draw, parse_shape
 
 
 def label(cfg) -> str:
-    return f"{cfg.num_warps}w {cfg.num_stages}s " + " ".join(f"{k}={v}" for k, v in sorted(cfg.kwargs.items()))
+    cap = f" maxnreg={cfg.maxnreg}" if getattr(cfg, "maxnreg", None) else ""
+    return f"{cfg.num_warps}w {cfg.num_stages}s " + " ".join(f"{k}={v}" for k, v in sorted(cfg.kwargs.items())) + cap
 
 
 def main(argv):
