@@ -45,6 +45,7 @@ class Raw:
     heads: str  # "H" (one per key head) or "HV"
     head: str  # "i_h" or "i_hv"
     factor: str  # Triton text of the per-token factor, "1.0" when none
+    norm: bool = False  # the input is L2-normalised in the kernels (one more per-token number, 1/||x||)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,12 @@ class Plan:
     # the write value as Raw where the state pass and output stage may give its tile to tl.dot as
     # loaded (no erase; a factor only with plan.raw, which moves it to the key side), else None
     raw_value: Raw | None = None
+    # the write key as Raw (its input may be normalised: Raw.norm) for an erase without a decay per
+    # key channel and without auxiliary states, else None. The WY stage then stores one number per
+    # token (the factor, 1/||k||, exp(G_end - G)) instead of the decayed keys u * exp(G_end - G)
+    # ([T, K] in the operand dtype), and the state passes (forward and reverse) give tl.dot the key
+    # tile as loaded, the number going to the value side of the product (to its rows in reverse)
+    raw_key: Raw | None = None
     # lets that read an auxiliary state and that the kernels' expressions read: (var, kind, pointer).
     # The aux pass makes them once per token, where the states are final, in the staged kernels'
     # operand dtype; the staged kernels load them instead of the states (one [BT, K] tile in the
@@ -230,6 +237,7 @@ def plan(m: ir.Mixer) -> Plan:
         chain_rows=8 if m.aux else 32,  # aux specs: 16 rows took 255 registers (ptxas), 32 spilled
         raw=raw,
         raw_value=_raw_value(m, raw) if not not_staged else None,
+        raw_key=_raw_key(m) if not not_staged else None,
         stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m, aux_lets)),
         aux_lets=tuple(var(lt.name) for lt in aux_lets),
         staged_reads_aux=len(m.aux) > 1 or bool(_body_symbols(m) & {a.name for a in m.aux}),
@@ -244,23 +252,31 @@ def _raw_operands(m: ir.Mixer) -> tuple:
     return parts if all(parts) else ()
 
 
+def _raw_key(m: ir.Mixer) -> Raw | None:
+    """plan.raw_key."""
+    if m.delta is None or m.decay.kind == "diagonal" or m.aux:
+        return None
+    return _raw(m, m.write.key, "K", normalised=True)
+
+
 def _raw_value(m: ir.Mixer, raw: tuple) -> Raw | None:
     """plan.raw_value, given plan.raw."""
     v = _raw(m, m.write.value, "V") if m.delta is None else None
     return v if v is not None and (v.factor == "1.0" or raw) else None
 
 
-def _raw(m: ir.Mixer, e, kind: str) -> Raw | None:
-    """e as one input of this kind (unclamped, not normalised) times per-token numbers, or None."""
+def _raw(m: ir.Mixer, e, kind: str, normalised: bool = False) -> Raw | None:
+    """e as one input of this kind (unclamped; not normalised, unless `normalised` allows it) times
+    per-token numbers, or None."""
     kinds = m.kinds()
     e = m.inline_lets(e)
     tiles = [a for a in sp.Mul.make_args(e) if any(kinds[s.name] != "scalar" for s in a.free_symbols)]
     if len(tiles) != 1 or not isinstance(tiles[0], sp.Symbol):
         return None
     i = next((i for i in m.inputs if i.name == tiles[0].name), None)
-    if i is None or i.kind != kind or i.l2norm or _bounds(i) != ("", ""):
+    if i is None or i.kind != kind or (i.l2norm and not normalised) or _bounds(i) != ("", ""):
         return None
-    return Raw(f"in_{i.name}", "H" if i.shared else "HV", "i_h" if i.shared else "i_hv", code(e / tiles[0]))
+    return Raw(f"in_{i.name}", "H" if i.shared else "HV", "i_h" if i.shared else "i_hv", code(e / tiles[0]), i.l2norm)
 
 
 def _aux_lets(m: ir.Mixer) -> tuple:
