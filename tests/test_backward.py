@@ -541,3 +541,40 @@ def test_chain_rule_hands_dz_over_only_where_it_is_the_gradient():
     got, ref = grads(m.chunk, torch.float32), grads(m.reference, torch.float64)
     assert (ref == 0).any() and (got[ref == 0] == 0).all()
     assert rms_ratio(got, ref) < TOL_QKV
+
+
+def _autotuned(module, name, configs, hooks):
+    """The module's kernel `name` under an autotuner over configs whose timing runs each config
+    three times on the call's own tensors (as triton's do_bench does, many times, on the GPU)."""
+    import triton
+
+    def bench(call, quantiles=None, **_):
+        for _ in range(3):
+            call()
+        return [1.0, 1.0, 1.0]
+    kernel = getattr(module, name).fn
+    return triton.autotune(configs, key=["H", "HV", "K", "V", "IS_VARLEN"], do_bench=bench, **hooks)(kernel)
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
+def test_autotuning_leaves_in_place_gradients_alone(name, compiled, monkeypatch):
+    """staged_dk adds to gradients staged_dq stored. The autotuner times its configs on the call's
+    own tensors, so without its restoring hooks every timed launch adds again, and the first
+    backward of a process with an empty tuning cache comes out wrong (the GPU suite runs one config
+    per kernel, so only this test sees it)."""
+    import triton
+    mixer = compiled(next(p for p in EXAMPLES if Path(p).stem == name))
+    mod = mixer.kernels
+    case = CASES[DEFAULT_CASE]
+    x, opts = draw_inputs(mixer, case, "cpu")
+    h0 = opts.pop("initial_state")
+    do, dS = upstream((case.B, case.T, case.HV, case.V), (case.N, case.HV, case.K, case.V), 5)
+    opts = dict(opts, output_final_state=True)
+    _, _, plain = gradients(mixer.chunk, x, h0, opts, do, dS, torch.float32)
+    space = mod.TUNING_SPACE["staged_dk"]
+    configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=1) for c in (space[0], space[0])]
+    hooks = dict(pre_hook=mod.staged_dk.pre_hook, post_hook=mod.staged_dk.post_hook)  # the module's own
+    monkeypatch.setattr(mod, "staged_dk", _autotuned(mod, "staged_dk", configs, hooks))
+    _, _, tuned = gradients(mixer.chunk, x, h0, opts, do, dS, torch.float32)
+    for n in plain:
+        assert torch.equal(tuned[n], plain[n]), f"d{n} changed when staged_dk was autotuned"

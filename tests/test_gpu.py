@@ -387,3 +387,34 @@ def test_bench_gpu_time_counts_the_calls_kernels():
     row = bench(mixer, Shape(1, 256, 2, 64, 64), backward=True, with_twin=False, log=lambda s: None)
     ll = row["lrdsl"]
     assert 0 < ll["fwd_gpu_ms"] < ll["both_gpu_ms"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
+def test_autotuning_on_the_calls_tensors_leaves_gradients_alone(name):
+    """The suite runs each kernel's first config (LRDSL_AUTOTUNE=0); here staged_dk tunes over its
+    whole space on the call's own tensors, as a fresh process does, and the gradients must match
+    the first config's (staged_dk adds to what staged_dq stored: without its restoring hooks each
+    timed launch would add again)."""
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.lr"))
+    mod = mixer.kernels
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = draw(mixer, 2, 1024, 4, 4, 128, 128, torch.bfloat16, "cuda", gen)
+
+    def grads():
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o = mixer.chunk(**leaves)[0]
+        o.backward(torch.ones_like(o))
+        return {n: t.grad for n, t in leaves.items()}
+    first = grads()
+    tuner = mod.staged_dk
+    saved = tuner.configs, tuner.cache_results
+    tuner.configs, tuner.cache_results = list(mod.TUNING_SPACE["staged_dk"]), False
+    tuner.cache.clear()
+    try:
+        tuned = grads()
+    finally:  # the module is shared with the suite's other tests
+        tuner.configs, tuner.cache_results = saved
+        tuner.cache.clear()
+    for n in first:
+        assert rms_ratio(tuned[n], first[n]) < 1e-2, n
