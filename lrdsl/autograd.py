@@ -367,6 +367,9 @@ def chunk_op(mixer_ir, module, key: str):
         tensors, h0, scale, cu_seqlens, output_final_state = inputs
         ctx.save_for_backward(*tensors, output[2], *([h0] if h0 is not None else []))
         ctx.meta = (len(tensors), h0 is not None, scale, cu_seqlens, output_final_state)
+        # None, not zeros, for the gradients of outputs the loss does not use: the residual's
+        # (always unused) was a [parts, B, T, HV, chunk] fill per backward
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, do, dht, _dres, daux):
         n, has_h0, scale, cu_seqlens, output_final_state = ctx.meta
