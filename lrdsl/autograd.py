@@ -158,10 +158,13 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
     vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual, initial_aux)
+    # the staged backward's auxiliary states of every token (its scans made them anyway), if any
+    states = [vgrads.pop("aux " + n, None) for n in getattr(module, "CHAIN_AUX", ())]
     # the staged backward ran: its generated chain rule too
     if module.HAS_CHAIN_RULE and "a" not in vgrads and (GENERATED_AUX_CHAIN or not mixer_ir.aux):
         if mixer_ir.aux:
-            grads, daux = aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux, dfinal_aux)
+            grads, daux = aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux, dfinal_aux,
+                                         states)
             return [g if need else None for g, need in zip(grads, needs)], dh0, daux
         g = module.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(names, needs)], dh0, []
@@ -169,10 +172,11 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     return grads, dh0, daux
 
 
-def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux=None, dfinal_aux=()):
+def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux=None, dfinal_aux=(), states=()):
     """(every input's gradient, each auxiliary initial state's (empty when initial_aux is None))
     through the generated chain-rule kernel, for a spec with auxiliary states (codegen/chain.py):
-    the states P by the forward's own scan kernels (the module's _aux_states, from the raw inputs);
+    the states P as the staged backward's scans made them (`states`), else by the same kernels (the
+    module's _aux_states, from the raw inputs);
     a first launch gives each P's local gradient (the vectors' derivatives in P), to which each
     sequence's final-state gradient is added at its last token; the reverse scan turns it into the
     gradient of the scan's write; a second launch gives the inputs' gradients with their
@@ -191,7 +195,8 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
                                    params=tuple(p for p in mixer_ir.params if p.name in used))
     with torch.no_grad():
         BT = module.STAGED_CHUNK
-        states, _ = module._aux_states(inputs, cu, module._chunks(cu, b.B, b.T, BT), BT, p0)
+        if not states or any(P is None for P in states):
+            states, _ = module._aux_states(inputs, cu, module._chunks(cu, b.B, b.T, BT), BT, p0)
         env = prepare_inputs(scans_ir, b, torch.float32)
         shp, starts, firsts = _scan_frame(b, env, torch.float32)
         decays = []
