@@ -18,7 +18,7 @@ import torch
 from . import ir
 from .codegen.plan import Plan
 from .reference import prepare_inputs, to_torch
-from .scan import first_order_scan_triton, scan_backward, scan_forward
+from .scan import first_order_scan_triton, scan_backward
 from .tensors import Batch
 
 
