@@ -11,9 +11,9 @@ The offline solve's backward (codegen/solve.py) ends in the same kernel, with tw
 vectors: the Gram state's other side kk (the key k) and the regulariser lam.
 An auxiliary state P (a key-channel scan P_t = a_t P_{t-1} + w_t) is one more per-token operand
 here: the kernel reads P and stores P's local gradient (the vectors' derivatives in P); the host
-scans that back over the tokens (lrdsl/scan.py) into the gradients of the write w and the decay a,
-two more key-channel vectors (aw_P, ad_P) of a second launch of the same kernel
-(autograd.aux_chain_rule). Value-channel states, states read by other states' scans or by the
+scans that back over the tokens (lrdsl/scan.py) into the gradient of the write w, one more
+key-channel vector (aw_P) of a second launch of the same kernel (autograd.aux_chain_rule), which
+makes the decay's (ad_P = aw_P times the state before the token) itself. Value-channel states, states read by other states' scans or by the
 write value or a scalar decay keep the PyTorch chain rule.
 """
 from __future__ import annotations
@@ -43,8 +43,9 @@ class Chain:
     log_decay: str  # unfloored log-decay text ("" without a data-dependent decay): where it is
     # below the kernels' floor, its gradient is zero
     solve: bool = False  # the offline solve's: the vectors kk and lam too
-    # key-channel vectors beyond u, c, r and gl, in the kernel's argument order: the solve's kk and
-    # lam, each auxiliary state's write aw_P and decay ad_P
+    # key-channel vectors beyond u, c, r and gl the kernel reads, in its argument order: the solve's
+    # kk and lam, each auxiliary state's write aw_P (the gradient of the scan's input; its decay's,
+    # ad_P, the kernel makes: aw_P times the state before the token)
     extra: tuple = ()
     aux: tuple = ()  # (name, terms): each auxiliary state and its local gradient's (vector, text)
     # value-channel inputs whose gradient is the write value's itself (z is the input, read per
@@ -125,8 +126,8 @@ def chain(m: ir.Mixer) -> Chain | None:
                             g_term=next(k_texts) if gd != 0 else "")
                   for (kt, gd), vt in zip(k_parts, v_parts))
     aux = tuple((a.name, tuple((n, next(k_texts)) for n, _ in pt)) for a, pt in zip(m.aux, p_parts))
-    extra = (("kk", "lam") if m.solve_lam is not None else ()) + tuple(
-        p + a.name for a in m.aux for p in ("aw_", "ad_"))
+    # (the decay's ad_P is not read: the kernel makes it from aw_P and the state before the token)
+    extra = (("kk", "lam") if m.solve_lam is not None else ()) + tuple("aw_" + a.name for a in m.aux)
     # z's symbol is the input as the kernels read it: clamped into its range, or normalised (an
     # L2-normalised value is not staged today, but its gradient would not be dz either)
     v_given = tuple(i.name for i in m.inputs if i.kind == "V" and not i.shared and sp.diff(z, i.symbol) == 1

@@ -18,7 +18,7 @@ import torch
 from . import ir
 from .codegen.plan import Plan
 from .reference import prepare_inputs, to_torch
-from .scan import first_order_scan_triton, scan_backward, scan_forward
+from .scan import first_order_scan_triton, scan_backward
 from .tensors import Batch
 
 
@@ -158,10 +158,13 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)
     vgrads, dh0 = module.chunk_bwd(inputs, batch.scale, h0, do, dht, cu, saved, residual, initial_aux)
+    # the staged backward's auxiliary states of every token (its scans made them anyway), if any
+    states = [vgrads.pop("aux " + n, None) for n in getattr(module, "CHAIN_AUX", ())]
     # the staged backward ran: its generated chain rule too
     if module.HAS_CHAIN_RULE and "a" not in vgrads and (GENERATED_AUX_CHAIN or not mixer_ir.aux):
         if mixer_ir.aux:
-            grads, daux = aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux, dfinal_aux)
+            grads, daux = aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux, dfinal_aux,
+                                         states)
             return [g if need else None for g, need in zip(grads, needs)], dh0, daux
         g = module.chain_rule(inputs, batch.scale, vgrads)
         return [g[n] if need else None for n, need in zip(names, needs)], dh0, []
@@ -169,40 +172,58 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     return grads, dh0, daux
 
 
-def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux=None, dfinal_aux=()):
+def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux=None, dfinal_aux=(), states=()):
     """(every input's gradient, each auxiliary initial state's (empty when initial_aux is None))
     through the generated chain-rule kernel, for a spec with auxiliary states (codegen/chain.py):
-    the states P by the Triton scan; a first launch gives each P's local gradient (the vectors'
-    derivatives in P), to which each sequence's final-state gradient is added at its last token;
-    the reverse scan turns it into the gradients of the scan's write and decay; a second launch
-    gives the inputs' gradients with their derivatives (one kernel: AUX_LOCAL picks its part)."""
+    the states P as the staged backward's scans made them (`states`), else by the same kernels (the
+    module's _aux_states, from the raw inputs);
+    a first launch gives each P's local gradient (the vectors' derivatives in P), to which each
+    sequence's final-state gradient is added at its last token; the reverse scan turns it into the
+    gradient of the scan's write; a second launch gives the inputs' gradients with their
+    derivatives, the decay's gradient made there from the write's and P (one kernel: AUX_LOCAL
+    picks its part). On the host only per-head decays and per-sequence rows: no [B, T, HV, K] pass."""
     b = _batch_like(batch, dict(zip(inputs, tensors)))
     if initial_aux is not None:
         b = dataclasses.replace(b, initial_aux=tuple(initial_aux))
-    # only the inputs the scans read (the kernel reads the rest): no fp32 copies of q, v, ...
-    used = {s.name for a in mixer_ir.aux for e in (a.decay, a.write) for s in e.free_symbols}
+    dev = tensors[0].device
+    cu = None if batch.cu_seqlens is None else batch.cu_seqlens.to(torch.int64).contiguous()
+    p0 = None if initial_aux is None else [a.float().contiguous() for a in initial_aux]
+    # only the inputs the decays read: one number per head where a decay is (the reverse scan's
+    # coefficients); the writes, the L2 norms and the states are the kernels'
+    used = {s.name for a in mixer_ir.aux for s in a.decay.free_symbols}
     scans_ir = dataclasses.replace(mixer_ir, inputs=tuple(i for i in mixer_ir.inputs if i.name in used),
                                    params=tuple(p for p in mixer_ir.params if p.name in used))
     with torch.no_grad():
+        BT = module.STAGED_CHUNK
+        if not states or any(P is None for P in states):
+            states, _ = module._aux_states(inputs, cu, module._chunks(cu, b.B, b.T, BT), BT, p0)
         env = prepare_inputs(scans_ir, b, torch.float32)
         shp, starts, firsts = _scan_frame(b, env, torch.float32)
-        ops = [_scan_operands(a, j, env, b, shp, starts, firsts, torch.float32, False)
-               for j, a in enumerate(mixer_ir.aux)]
-        states = [scan_forward(alpha, beta) for _, alpha, beta in ops]
-        zero = torch.zeros_like(states[0])
-        extra = {n: zero for n in module.CHAIN_AUX for n in ("aw_" + n, "ad_" + n)}
-        local = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states, local=True)
+        decays = []
+        for a in mixer_ir.aux:
+            d = torch.as_tensor(to_torch(a.decay)(env), dtype=torch.float32, device=dev)
+            decays.append(_full(d, shp["scalar"] if d.dim() == 0 or d.shape[-1] == 1 else shp[a.kind],
+                                torch.float32, dev))
         seqs = b.sequences()
+        # the sequence whose first token each row is (-1: none): there the kernel's state before
+        # the token is the initial one (or zero), not the previous row's
+        start_seq = torch.full((b.B * b.T,), -1, dtype=torch.int32, device=dev)
+        heads = [(bi * b.T + s, n) for n, (bi, s, e) in enumerate(seqs) if e > s]
+        if heads:
+            rows, ns = zip(*heads)
+            start_seq[torch.tensor(rows, device=dev)] = torch.tensor(ns, dtype=torch.int32, device=dev)
+        extra = {"aw_" + n: P for n, P in zip(module.CHAIN_AUX, states)}  # unread by the first launch
+        local = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states, local=True, start_seq=start_seq)
         live = [(n, bi, e - 1) for n, (bi, s, e) in enumerate(seqs) if e > s]
         daux = []
-        for j, (a, (decay, alpha, _), P) in enumerate(zip(mixer_ir.aux, ops, states)):
+        for j, (a, decay) in enumerate(zip(mixer_ir.aux, decays)):
             dp = local["aux " + a.name]
             d_end = dfinal_aux[j] if j < len(dfinal_aux) else None
             if d_end is not None and live:  # the final state is P at the sequence's last token
                 n, rows, cols = (torch.tensor(c, device=dp.device) for c in zip(*live))
                 dp.index_put_((rows, cols), d_end.float()[n], accumulate=True)
-            dalpha, dbeta = scan_backward(alpha, P, dp)
-            ddecay = dalpha * (~starts).view(1, -1, 1, 1).float()
+            # a sequence's first token does not carry the gradient back into the one before
+            _, dbeta = scan_backward(decay * (~starts).view(1, -1, 1, 1).float(), None, dp, decay_grad=False)
             if initial_aux is not None:
                 # the initial state enters as decay_first * P0: an empty sequence hands it over as is
                 d0 = torch.zeros_like(initial_aux[j], dtype=torch.float32)
@@ -211,10 +232,9 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
                 if firsts:
                     rows, cols, n = firsts
                     d0[n] = dbeta[rows, cols] * decay[rows, cols]
-                    ddecay[rows, cols] += dbeta[rows, cols] * initial_aux[j].float()[n]
                 daux.append(d0)
-            extra["aw_" + a.name], extra["ad_" + a.name] = dbeta, ddecay
-        g = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states)
+            extra["aw_" + a.name] = dbeta
+        g = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states, start_seq=start_seq, initial_aux=p0)
     return [g[n] for n in inputs], daux
 
 

@@ -49,7 +49,7 @@ def scan_fwd_kernel(a_ptr, b_ptr, p_ptr, T, HV: tl.constexpr, D: tl.constexpr, B
 
 @triton.jit
 def scan_bwd_kernel(a_ptr, p_ptr, dp_ptr, da_ptr, db_ptr, T, n_bth, HV: tl.constexpr, D: tl.constexpr,
-                    BT: tl.constexpr, BD: tl.constexpr, PER_HEAD: tl.constexpr):
+                    BT: tl.constexpr, BD: tl.constexpr, PER_HEAD: tl.constexpr, STORE_DA: tl.constexpr):
     # The reverse scan: chunks from the last, each chunk's rows from its last (row j of a tile is
     # token end - 1 - j). Per head, da goes to da_ptr[i_d] (one partial sum per channel block).
     i_d, i_bh = tl.program_id(0), tl.program_id(1)
@@ -74,13 +74,14 @@ def scan_bwd_kernel(a_ptr, p_ptr, dp_ptr, da_ptr, db_ptr, T, n_bth, HV: tl.const
         s_a, s_b = tl.associative_scan((b_a, b_dp), 0, _compose)
         b_dpt = s_b + s_a * b_carry[None, :]
         tl.store(db_ptr + p_td, b_dpt, mask=m_td)
-        m_prev = (m_t & (t >= 1))[:, None] & m_d[None, :]
-        b_prev = tl.load(p_ptr + p_td - HV * D, mask=m_prev, other=0)  # P_{t-1}, zero before the first
-        b_da = b_dpt * b_prev
-        if PER_HEAD:
-            tl.store(da_ptr + i_d * n_bth + rows * HV + i_h, tl.sum(b_da, 1), mask=m_t)
-        else:
-            tl.store(da_ptr + p_td, b_da, mask=m_td)
+        if STORE_DA:
+            m_prev = (m_t & (t >= 1))[:, None] & m_d[None, :]
+            b_prev = tl.load(p_ptr + p_td - HV * D, mask=m_prev, other=0)  # P_{t-1}, zero before the first
+            b_da = b_dpt * b_prev
+            if PER_HEAD:
+                tl.store(da_ptr + i_d * n_bth + rows * HV + i_h, tl.sum(b_da, 1), mask=m_t)
+            else:
+                tl.store(da_ptr + p_td, b_da, mask=m_td)
         b_carry = tl.sum(tl.where(o_t[:, None] == BT - 1, b_dpt, 0.0), 0)
 
 
@@ -100,20 +101,26 @@ def scan_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return p
 
 
-def scan_backward(a: torch.Tensor, p: torch.Tensor, dp: torch.Tensor):
-    """(da in a's shape, db) from a, the forward's P and P's gradient dp."""
-    B, T, HV, D = p.shape
+def scan_backward(a: torch.Tensor, p: torch.Tensor, dp: torch.Tensor, decay_grad: bool = True):
+    """(da in a's shape, db) from a, the forward's P and P's gradient dp; without decay_grad,
+    (None, db): da = db_t P_{t-1} is left to the caller (p is then not read)."""
+    B, T, HV, D = dp.shape
     a, dp = a.float().contiguous(), dp.float().contiguous()
     per_head = a.shape[-1] == 1
     bd, nd = _blocks(D)
-    db = torch.empty_like(p)
-    da = torch.empty(nd, B, T, HV, dtype=torch.float32, device=p.device) if per_head else torch.empty_like(p)
+    db = torch.empty_like(dp)
+    da = None
+    if decay_grad:
+        da = torch.empty(nd, B, T, HV, dtype=torch.float32, device=dp.device) if per_head else torch.empty_like(dp)
     if B * T * HV * D:
         scan_bwd_kernel[(nd, B * HV)](a, p, dp, da, db, T, B * T * HV, HV=HV, D=D, BT=BT, BD=bd, PER_HEAD=per_head,
-                                      num_warps=4)
+                                      STORE_DA=decay_grad, num_warps=4)
     else:
-        da.zero_()
         db.zero_()
+        if da is not None:
+            da.zero_()
+    if not decay_grad:
+        return None, db
     return (da.sum(0).unsqueeze(-1) if per_head else da), db
 
 

@@ -4,7 +4,8 @@ with one decay per head and one per channel, sequence starts (a = 0) and T not a
 kernels' chunk; then (slow) every auxiliary example's gradients against the float64 reference
 with the Triton scan in the PyTorch chain rule, also through whole initial and final states; and
 the generated chain rule of key-channel auxiliary states (autograd.aux_chain_rule): which specs
-get it, and (slow) the same comparisons with the PyTorch chain rule made to fail if called."""
+get it, and (slow) the same comparisons with the PyTorch chain rule made to fail if called, and
+that it makes no token-sized tensor on the host."""
 import pytest
 import torch
 
@@ -72,7 +73,7 @@ def test_key_channel_aux_states_get_the_generated_chain_rule():
         m = spec_to_ir((test_backward.ROOT / "examples" / f"{stem}.lr").read_text())
         ch = chain(m)
         (name, terms), = ch.aux
-        assert ch.extra == ("aw_" + name, "ad_" + name) and [v for v, _ in terms] == ["u"], stem
+        assert ch.extra == ("aw_" + name,) and [v for v, _ in terms] == ["u"], stem
         # beta_atk reaches the vectors through the write only, g_atk through the decay only
         writes = {n: [v for v, _ in g.k_terms] for n, g in zip([i.name for i in m.inputs], ch.grads)}
         assert writes["beta_atk"] == ["aw_" + name] and writes["g_atk"] == ["ad_" + name], writes
@@ -102,3 +103,54 @@ def test_generated_aux_chain_rule_matches_reference(stem, case_id, compiled, mon
 def test_whole_state_gradients_with_the_generated_aux_chain_rule(name, start, compiled, monkeypatch):
     _no_pytorch_chain_rule(monkeypatch)
     test_state.test_gradients_through_the_whole_state(name, start, compiled, monkeypatch)
+
+
+@pytest.mark.slow
+def test_generated_aux_chain_rule_makes_no_token_sized_tensor_on_the_host(compiled, monkeypatch):
+    """aux_chain_rule leaves every [B, T, HV, K] pass to the kernels (the states from the staged
+    backward's scan, the write and the decay's gradient in the chain kernel): no aten op outside
+    a kernel launch makes a tensor of B*T*HV*K elements (allocations for the kernels aside), while
+    the gradients still match the reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import triton.runtime.interpreter as interp
+    from lrdsl.fuzz import Case
+    case = Case(B=2, T=40, H=2, HV=2, K=16, V=16, initial_state=True, seed=5)
+    full = case.B * case.T * case.HV * case.K
+    made, inside, on, calls = [], [0], [False], []
+    run = interp.InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):  # the interpreter's own copies are a kernel's, not the host's
+        inside[0] += 1
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if on[0] and not inside[0] and "empty" not in str(func):
+                ins = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+                made.extend(str(func) for t in (out if isinstance(out, (tuple, list)) else [out])
+                            if isinstance(t, torch.Tensor) and t.numel() >= full
+                            and t.untyped_storage().data_ptr() not in ins)
+            return out
+
+    original = ag.aux_chain_rule
+
+    def logged(*args, **kwargs):
+        calls.append(1)
+        on[0] = True
+        try:
+            with Log():
+                return original(*args, **kwargs)
+        finally:
+            on[0] = False
+
+    monkeypatch.setattr(interp.InterpretedFunction, "run", counted)
+    monkeypatch.setattr(ag, "aux_chain_rule", logged)
+    _no_pytorch_chain_rule(monkeypatch)
+    mixer = compiled(test_backward.ROOT / "examples" / "precond_kda.lr")
+    errors, failures = test_backward.compare(mixer, case, True, 3)
+    assert not failures, errors
+    assert calls and not made, made
