@@ -556,7 +556,7 @@ def _autotuned(module, name, configs, hooks):
     return triton.autotune(configs, key=["H", "HV", "K", "V", "IS_VARLEN"], do_bench=bench, **hooks)(kernel)
 
 
-@pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
+@pytest.mark.parametrize("name", ["gated_deltanet", pytest.param("kda", marks=pytest.mark.slow)])
 def test_autotuning_leaves_in_place_gradients_alone(name, compiled, monkeypatch):
     """staged_dk adds to gradients staged_dq stored. The autotuner times its configs on the call's
     own tensors, so without its restoring hooks every timed launch adds again, and the first

@@ -148,9 +148,9 @@ o = S^T q
 # (spec, where chunk starts from): "whole" a whole state (every part differentiated), "S" the plain
 # S (auxiliary states from zero: the custom op), "kept" a whole state with keep_intermediates
 # (the general kernels); the others in -m slow
-GRAD_CASES = [("precond_deltanet", "whole"), ("precond_kda", "whole"),
+GRAD_CASES = [("precond_deltanet", "whole"),
               ("precond_kda", "kept"), ("mesa_aux", "whole"), ("stored_lets", "whole")]
-SLOW_GRAD_CASES = [("gdn2_atk", "whole"), ("precond_deltanet", "S"),
+SLOW_GRAD_CASES = [("precond_kda", "whole"), ("gdn2_atk", "whole"), ("precond_deltanet", "S"),
                    ("precond_kda", "S"), ("gdn2_atk", "S"), ("precond_deltanet", "kept"), ("gdn2_atk", "kept"),
                    ("mesa", "whole"), ("mesa", "S"), ("mesa_aux", "S")]
 
