@@ -105,10 +105,10 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = Fal
     shp, starts, firsts = _scan_frame(b, env, dtype)
     dev = starts.device
     ends = {}
+    per_head = triton_scan(dev, dtype)  # the Triton scan keeps a decay that is one number per head so
+    scan = first_order_scan_triton if per_head else first_order_scan
     for j, a in enumerate(m.aux):
-        per_head = triton_scan(dev, dtype)  # a decay that is one number per head stays so
         _, alpha, beta = _scan_operands(a, j, env, b, shp, starts, firsts, dtype, per_head)
-        scan = first_order_scan_triton if triton_scan(dev, dtype) else first_order_scan
         env[a.name] = scan(alpha, beta)
         if finals:
             ends["final " + a.name] = _at_ends(env[a.name], b, j)

@@ -56,7 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                         "initial state with float64 autograd through the reference (rms ratio < tol "
                         "for q, k, v, h0, < 10 tol for the other inputs; recurrent is forward-only "
                         "and not differentiated); default: on")
-    b = sub.add_parser("bench", help="time the chunked kernels on the GPU beside flash-linear-attention's twin")
+    b = sub.add_parser("bench", help="time the chunked kernels on the GPU beside flash-linear-attention's twin",
+                       description="Time the chunked kernels on the GPU beside flash-linear-attention's twin, "
+                                   "on the same inputs: wall-clock ms per call and, in brackets, GPU time (the "
+                                   "summed durations of the call's kernels), TFLOP/s and peak memory.")
     b.add_argument("spec", nargs="+", help="path(s) to .lr spec files")
     b.add_argument("--shape", default="4,4096,16,128,128", metavar="B,T,H,K,V",
                    help="batch, tokens, heads, key and value size (default: 4,4096,16,128,128); bf16 inputs")

@@ -24,15 +24,21 @@ def _compose(a1, b1, a2, b2):
 
 
 @triton.jit
+def _program(HV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, PER_HEAD: tl.constexpr):
+    """(batch row, head, channel offsets, their mask, the offsets a is read at) of this program;
+    a per head: every channel reads the head's one number."""
+    i_bh = tl.program_id(1)
+    o_d = tl.program_id(0) * BD + tl.arange(0, BD)
+    o_da = o_d * 0 if PER_HEAD else o_d
+    return i_bh // HV, i_bh % HV, o_d, o_d < D, o_da
+
+
+@triton.jit
 def scan_fwd_kernel(a_ptr, b_ptr, p_ptr, T, HV: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                     BD: tl.constexpr, PER_HEAD: tl.constexpr):
-    i_d, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
+    i_b, i_h, o_d, m_d, o_da = _program(HV, D, BD, PER_HEAD)
     o_t = tl.arange(0, BT)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
     DA: tl.constexpr = 1 if PER_HEAD else D
-    o_da = o_d * 0 if PER_HEAD else o_d  # a per head: every channel reads the head's one number
     b_carry = tl.zeros([BD], dtype=tl.float32)
     for i_t in range(0, tl.cdiv(T, BT)):
         rows = (i_b * T + i_t * BT + o_t).to(tl.int64)
@@ -52,13 +58,10 @@ def scan_bwd_kernel(a_ptr, p_ptr, dp_ptr, da_ptr, db_ptr, T, n_bth, HV: tl.const
                     BT: tl.constexpr, BD: tl.constexpr, PER_HEAD: tl.constexpr, STORE_DA: tl.constexpr):
     # The reverse scan: chunks from the last, each chunk's rows from its last (row j of a tile is
     # token end - 1 - j). Per head, da goes to da_ptr[i_d] (one partial sum per channel block).
-    i_d, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
+    i_d = tl.program_id(0)
+    i_b, i_h, o_d, m_d, o_da = _program(HV, D, BD, PER_HEAD)
     o_t = tl.arange(0, BT)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
     DA: tl.constexpr = 1 if PER_HEAD else D
-    o_da = o_d * 0 if PER_HEAD else o_d
     n_t = tl.cdiv(T, BT)
     b_carry = tl.zeros([BD], dtype=tl.float32)
     for i_r in range(0, n_t):
