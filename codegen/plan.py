@@ -158,6 +158,12 @@ class Plan:
         return self.decay_kind != "identity" or self.raw_write_factor
 
     @property
+    def raw_decay_on_keys(self) -> bool:
+        """plan.raw's state pass with a log-decay per token and head (mamba2) scales k^T's columns
+        from a cumulative sum: the value rows' pairwise form (G_end per state row) ran 12% slower."""
+        return self.decay_kind == "scalar"
+
+    @property
     def raw_write_factor(self) -> bool:
         """plan.raw's write key or value carries a per-token factor."""
         return any(r.factor != "1.0" for r in self.raw[:2])
