@@ -173,6 +173,34 @@ def test_staged_forward_for_per_channel_decays(name, strong, compiled):
     assert e_o < TOL and e_s < TOL, f"{name}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("early", [True, False], ids=["early", "in-loop"])
+@pytest.mark.parametrize("name", ["kda", "gated_deltanet"])
+def test_wy_stage_value_tiles_past_the_first(name, early, compiled, monkeypatch):
+    """The WY stage's value tiles after the first (V > BV): the first one loaded beside the key
+    side's tiles (EARLY) or in the loop with the others. The interpreter runs each tuning space's
+    first config, whose tile covers the other tests' values; this one takes 16-wide tiles."""
+    import triton
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    monkeypatch.setattr(mixer.kernels, "torch", PoisonTorch())  # U's tiles start as NaN
+    tuner = mixer.kernels.staged_wy
+    configs, cache = tuner.configs, dict(tuner.cache)
+    tuner.configs = [triton.Config({"BV": 16, "EARLY": early}, num_warps=4, num_stages=1)]
+    tuner.cache.clear()
+    try:
+        case = Case(B=1, T=70, H=1, HV=2, K=16, V=40, cu_seqlens=(0, 23, 70), initial_state=True, seed=7)
+        x, opts = draw_inputs(mixer, case, DEVICE)
+        with torch.no_grad():
+            o, s = mixer.chunk(**x, **opts)
+    finally:
+        tuner.configs = configs
+        tuner.cache.clear()
+        tuner.cache.update(cache)
+    ref_o, ref_s = reference(mixer, x, opts)
+    e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
+    assert e_o < TOL and e_s < TOL, f"{name} early={early}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
+
 NAMES_LIKE_THE_KERNELS = """
 mixer names_like_the_kernels
 input q[K] l2norm, k[K] l2norm, v[V], gl log, u in (0, 1), c[K] in [0, 1], r[K] in [0, 1]
