@@ -139,6 +139,15 @@ class Plan:
         return self.state_split_k and self.decay_kind != "diagonal"
 
     @property
+    def split_solve(self) -> bool:
+        """The staged solve inverts I + A in a launch of its own (staged_inverse_kernel, one warp),
+        A passing through global memory in fp32: an erase with a decay per key channel. Its pairwise
+        stage needs four warps for its [16, K] tiles, and there every 16 x 16 tile (the forward
+        substitution, the merging products) ran four times over, once per warp, in a 255-register
+        program that held all ten blocks of A to its end."""
+        return self.delta and self.decay_kind == "diagonal"
+
+    @property
     def dr_factor(self) -> str:
         """What the staged dq kernel multiplies r's gradient by: the scale where the chain rule is
         direct (Chain.direct: it is then q's gradient, and no chain kernel runs), else nothing."""

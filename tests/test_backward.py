@@ -452,11 +452,14 @@ def test_backward_reuses_the_forwards_solve(name, compiled, monkeypatch):
     mod = mixer.kernels
     assert mod.keeps_residual(16) and not mod.keeps_residual(mod.STAGED_MAX_K + 1)
     launches = count_launches(monkeypatch, mod, "staged_solve")
+    # with an erase and a decay per key channel, the inverse's own launch (plan.split_solve)
+    inverses = count_launches(monkeypatch, mod, "staged_inverse") if hasattr(mod, "staged_inverse") else [()]
     errors, failures = compare(mixer, CASES[next(iter(CASES))], output_final_state=True, seed=3)
     assert not failures, describe(failures)
     # one solve: its launches of one forward (a decay per key channel: tensor cores, then the exact
     # path over the chunks that need it)
     assert len(launches) == len(mod.EXACT_PASSES), f"the solve launched {len(launches)} times in one forward + backward"
+    assert len(inverses) == 1, f"the inverse launched {len(inverses)} times in one forward + backward"
 
 
 # strong=True has both kinds of blocks (one takes the exact path, the others tensor cores): pytest -q;

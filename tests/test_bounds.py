@@ -61,7 +61,7 @@ class Bounds:
             raise IndexError(self.bad[-1])  # before the access: host memory past a tensor may be unmapped
 
 
-@pytest.mark.parametrize("spec", ["gated_deltanet", "gla"])
+@pytest.mark.parametrize("spec", ["gated_deltanet", "gla", "kda"])
 def test_staged_kernels_stay_in_bounds(spec, monkeypatch):
     m = lrdsl.compile(f"examples/{spec}.lr")
     # bf16 inputs: bf16 intermediates and vector gradients, the GPU's path (the interpreter's bf16
