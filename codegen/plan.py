@@ -95,7 +95,9 @@ class Plan:
     diagonal_block_span: float = 60.0
     # the per-channel staged backward's pairwise stage: key channels and warps per program, and a
     # register cap (ptxas' maxnreg; 0: none). Timed on the H200 (kda, B=4 T=4096 H=16): 4 warps
-    # uncapped 2.11 ms (245 registers), 8 warps capped at 128 registers 2.23 ms
+    # uncapped 2.11 ms (245 registers), 8 warps capped at 128 registers 2.23 ms. Since G comes
+    # from memory (session 10, untimed): 4 warps uncapped 166 registers (3 programs per SM), and
+    # capped at 128 (4 per SM) without spills for kda, gdn2 and gla
     staged_pair_keys: int = 32
     staged_pair_warps: int = 4
     staged_pair_regs: int = 0
