@@ -96,11 +96,12 @@ class Plan:
     # the per-channel staged backward's pairwise stage: key channels and warps per program, and a
     # register cap (ptxas' maxnreg; 0: none). Timed on the H200 (kda, B=4 T=4096 H=16): 4 warps
     # uncapped 2.11 ms (245 registers), 8 warps capped at 128 registers 2.23 ms. Since G comes
-    # from memory (session 10, untimed): 4 warps uncapped 166 registers (3 programs per SM), and
-    # capped at 128 (4 per SM) without spills for kda, gdn2 and gla
+    # from memory (session 10): 4 warps uncapped 166 registers (3 programs per SM), capped at 128
+    # (4 per SM) without spills for kda, gdn2 and gla; on the H200 (session 11, GPU time per
+    # forward + backward) the cap took the stage from 1262 to 1125 us for kda, 1258 to 1123 for gdn2
     staged_pair_keys: int = 32
     staged_pair_warps: int = 4
-    staged_pair_regs: int = 0
+    staged_pair_regs: int = 128
     chain: Chain | None = None  # the staged backward's generated chain rule (codegen/chain.py)
     chain_rows: int = 32  # tokens per program of the chain-rule kernel
     # (write key, write value, query) as Raw where each is an input's tile times a per-token
