@@ -146,8 +146,9 @@ class Plan:
 
     @property
     def dr_factor(self) -> str:
-        """What the staged dq kernel multiplies r's gradient by: the scale where the chain rule is
-        direct (Chain.direct: it is then q's gradient, and no chain kernel runs), else nothing."""
+        """What the staged kernel that makes r's gradient (staged_dk; staged_dq with a decay per key
+        channel) multiplies it by: the scale where the chain rule is direct (Chain.direct: it is
+        then q's gradient, and no chain kernel runs), else nothing."""
         return " * scale" if self.chain is not None and self.chain.direct else ""
 
     @property
