@@ -213,3 +213,42 @@ def test_bench_misuse_is_one_clear_error(args, message, process):
             rc = cli.main(argv)
         stderr = err.getvalue()
     assert rc == 1 and "Traceback" not in stderr and message in stderr, stderr
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_stopped_bench_prints_the_specs_it_finished(how, monkeypatch, capsys):
+    """`timeout` (SIGTERM) or Ctrl-C during the second of three specs: the first spec's row is
+    printed in the table, the stop is said in one line, and the exit status is 130."""
+    import os
+    import signal
+
+    import torch
+
+    from lrdsl import bench, cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test device")
+    calls = []
+
+    def fake_bench(mixer, s, backward, with_twin, log):
+        calls.append(mixer.name)
+        if len(calls) == 2:
+            if how == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {"mixer": mixer.name, "shape": s, "flop": 1e12,
+                "lrdsl": {"fwd_ms": 0.5 + len(calls), "fwd_mem": 2 ** 30}}
+    monkeypatch.setattr(bench, "bench", fake_bench)
+    def guard(signum, frame):  # bench left SIGTERM alone: fail here rather than end pytest
+        raise RuntimeError("SIGTERM reached the handler bench should have replaced")
+    previous = signal.signal(signal.SIGTERM, guard)
+    specs = [str(ROOT / "examples" / f"{n}.lr") for n in ("mamba2", "retnet", "linear_attention")]
+    try:
+        rc = cli.main(["bench", *specs])
+        restored = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out, err = capsys.readouterr()
+    assert rc == 130
+    assert "| mamba2 | 4,4096,16,128,128 | 1.500 |" in out and "retnet |" not in out
+    assert "stopped during" in err and "retnet.lr" in err and "1 of 3" in err and "Traceback" not in err
+    assert restored is guard  # the caller's handler is put back
