@@ -171,11 +171,6 @@ class Plan:
         return "_raw_v" if self.raw_value is not None and self.raw_value.factor == "1.0" else "_staged_v"
 
     @property
-    def raw_scaled(self) -> bool:
-        """plan.raw's state pass scales its value tile's rows: a decay, or a factor of the write."""
-        return self.decay_kind != "identity" or self.raw_write_factor
-
-    @property
     def raw_decay_on_keys(self) -> bool:
         """plan.raw's state pass with a log-decay per token and head (mamba2) scales k^T's columns
         from a cumulative sum: the value rows' pairwise form (G_end per state row) ran 12% slower."""

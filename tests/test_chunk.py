@@ -73,13 +73,17 @@ def test_strong_decay_does_not_overflow(name, compiled):
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
-def test_raw_operands_with_per_token_factors():
+@pytest.mark.parametrize("decay", ["exp(g) S", "0.9 S", "S"], ids=["per-token", "constant", "none"])
+def test_raw_operands_with_per_token_factors(decay):
     """The raw-operand path (plan.raw) with a per-token factor on the write and on the query: the
-    state pass scales the value tile's rows, the output stage the products' rows and columns."""
+    state pass scales k^T's columns (a decay per token) or the value tile's rows (a constant decay
+    or none), the output stage the products' rows and columns."""
     from lrdsl.codegen.plan import plan
     mixer = lrdsl.compile(text="mixer raw_factors\ninput q[K] shared, k[K] shared, v[V], b in (0, 1), g log\n"
-                               "S = exp(g) S + k (b * v)^T\no = S^T (2 * q)\n")
-    assert [r.factor for r in plan(mixer.ir).raw] == ["b_b", "1.0", "2.0"]
+                               f"S = {decay} + k (b * v)^T\no = S^T (2 * q)\n")
+    p = plan(mixer.ir)
+    assert [r.factor for r in p.raw] == ["b_b", "1.0", "2.0"]
+    assert p.decay_kind == {"exp(g) S": "scalar", "0.9 S": "constant", "S": "identity"}[decay]
     # K = 72: the output stage's key loop takes two steps of 64 channels, the second mostly masked
     case = Case(B=1, T=150, H=2, HV=4, K=72, V=12, cu_seqlens=(0, 70, 150), initial_state=True, scale=0.7, seed=11)
     x, opts = draw_inputs(mixer, case, DEVICE)
