@@ -120,6 +120,12 @@ class Plan:
     # ([T, K] in the operand dtype), and the state passes (forward and reverse) give tl.dot the key
     # tile as loaded, the number going to the value side of the product (to its rows in reverse)
     raw_key: Raw | None = None
+    # the query as Raw (its input may be normalised) where the decay is not per key channel and
+    # there are no auxiliary states, else None. The staged backward's dq stage then stores one number
+    # per token (the factor, 1/||q||, the scale, exp(G)) instead of the decayed queries r * exp(G)
+    # ([T, K] in the operand dtype), and the reverse state pass reads the query's tile as loaded,
+    # the number going to the rows of dO
+    raw_query: Raw | None = None
     # lets that read an auxiliary state and that the kernels' expressions read: (var, kind, pointer).
     # The aux pass makes them once per token, where the states are final, in the staged kernels'
     # operand dtype; the staged kernels load them instead of the states (one [BT, K] tile in the
@@ -152,8 +158,9 @@ class Plan:
 
     @property
     def dr_factor(self) -> str:
-        """What the staged dq kernel multiplies r's gradient by: the scale where the chain rule is
-        direct (Chain.direct: it is then q's gradient, and no chain kernel runs), else nothing."""
+        """What the staged kernel that makes r's gradient (staged_dk; staged_dq with a decay per key
+        channel) multiplies it by: the scale where the chain rule is direct (Chain.direct: it is
+        then q's gradient, and no chain kernel runs), else nothing."""
         return " * scale" if self.chain is not None and self.chain.direct else ""
 
     @property
@@ -251,6 +258,7 @@ def plan(m: ir.Mixer) -> Plan:
         raw=raw,
         raw_value=_raw_value(m, raw) if not not_staged else None,
         raw_key=_raw_key(m) if not not_staged else None,
+        raw_query=_raw_query(m) if not not_staged else None,
         stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m, aux_lets)),
         aux_lets=tuple(var(lt.name) for lt in aux_lets),
         staged_reads_aux=len(m.aux) > 1 or bool(_body_symbols(m) & {a.name for a in m.aux}),
@@ -270,6 +278,13 @@ def _raw_key(m: ir.Mixer) -> Raw | None:
     if m.delta is None or m.decay.kind == "diagonal" or m.aux:
         return None
     return _raw(m, m.write.key, "K", normalised=True)
+
+
+def _raw_query(m: ir.Mixer) -> Raw | None:
+    """plan.raw_query."""
+    if m.decay.kind == "diagonal" or m.aux:
+        return None
+    return _raw(m, m.query, "K", normalised=True)
 
 
 def _raw_value(m: ir.Mixer, raw: tuple) -> Raw | None:

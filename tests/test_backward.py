@@ -561,10 +561,11 @@ def _autotuned(module, name, configs, hooks):
 
 @pytest.mark.parametrize("name", ["gated_deltanet", pytest.param("kda", marks=pytest.mark.slow)])
 def test_autotuning_leaves_in_place_gradients_alone(name, compiled, monkeypatch):
-    """staged_dk adds to gradients staged_dq stored. The autotuner times its configs on the call's
-    own tensors, so without its restoring hooks every timed launch adds again, and the first
-    backward of a process with an empty tuning cache comes out wrong (the GPU suite runs one config
-    per kernel, so only this test sees it)."""
+    """staged_dk adds to gradients staged_dq stored (with a decay per key channel; with a scalar
+    one it writes them). The autotuner times its configs on the call's own tensors, so without its
+    restoring hooks every timed launch adds again, and the first backward of a process with an
+    empty tuning cache comes out wrong (the GPU suite runs one config per kernel, so only this test
+    sees it)."""
     import triton
     mixer = compiled(next(p for p in EXAMPLES if Path(p).stem == name))
     mod = mixer.kernels
