@@ -238,33 +238,37 @@ def _prenormalisable(mixer) -> bool:
     return all(n in names and names[n].l2norm for n in ("q", "k"))
 
 
-def table(rows: list) -> str:
-    """Markdown table of bench rows: wall clock (ms) and, in brackets, GPU time (ms). A * marks an FLA
+_HEAD = ("| mixer | shape | lrdsl fwd ms (GPU) | FLA fwd ms (GPU) | FLA/lrdsl fwd (GPU) | lrdsl TFLOP/s (GPU) "
+         "| lrdsl f+b ms (GPU) | FLA f+b ms (GPU) | FLA/lrdsl f+b (GPU) | lrdsl / FLA f+b extra GiB | FLA op |")
+
+
+def table_head() -> str:
+    """The bench table's header: wall clock (ms) and, in brackets, GPU time (ms). A * marks an FLA
     time taken on q, k normalised outside the call."""
+    return _HEAD + "\n|" + "---|" * (_HEAD.count("|") - 1)
+
+
+def table_row(r: dict) -> str:
+    """One bench row of the markdown table."""
     gib = 2.0 ** 30
-    head = ("| mixer | shape | lrdsl fwd ms (GPU) | FLA fwd ms (GPU) | FLA/lrdsl fwd (GPU) | lrdsl TFLOP/s (GPU) "
-            "| lrdsl f+b ms (GPU) | FLA f+b ms (GPU) | FLA/lrdsl f+b (GPU) | lrdsl / FLA f+b extra GiB | FLA op |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        s, ll, ff = r["shape"], r["lrdsl"], r.get("fla", {})
+    s, ll, ff = r["shape"], r["lrdsl"], r.get("fla", {})
 
-        def ms(d, k):
-            if k not in d:
-                return "-"
-            return f"{d[k]:.3f} ({d[k[:-3] + '_gpu_ms']:.3f})" if k[:-3] + "_gpu_ms" in d else f"{d[k]:.3f}"
+    def ms(d, k):
+        if k not in d:
+            return "-"
+        return f"{d[k]:.3f} ({d[k[:-3] + '_gpu_ms']:.3f})" if k[:-3] + "_gpu_ms" in d else f"{d[k]:.3f}"
 
-        def one(k):
-            return f"{ff[k] / ll[k]:.2f}{'*' if ff.get('pre_' + k) else ''}" if k in ff and k in ll else "-"
+    def one(k):
+        return f"{ff[k] / ll[k]:.2f}{'*' if ff.get('pre_' + k) else ''}" if k in ff and k in ll else "-"
 
-        def ratio(k):
-            g = k[:-3] + "_gpu_ms"
-            return f"{one(k)} ({one(g)})" if g in ll else one(k)
-        mem = (f"{ll['bwd_mem'] / gib:.2f} / {ff['bwd_mem'] / gib:.2f}" if "bwd_mem" in ll and "bwd_mem" in ff
-               else (f"{ll['bwd_mem'] / gib:.2f} / -" if "bwd_mem" in ll else "-"))
-        tflops = f"{r['flop'] / (ll['fwd_ms'] * 1e-3) / 1e12:.0f}"
-        if "fwd_gpu_ms" in ll:
-            tflops += f" ({r['flop'] / (ll['fwd_gpu_ms'] * 1e-3) / 1e12:.0f})"
-        lines.append(f"| {r['mixer']} | {s.B},{s.T},{s.H},{s.K},{s.V} | {ms(ll, 'fwd_ms')} | {ms(ff, 'fwd_ms')} | "
-                     f"{ratio('fwd_ms')} | {tflops} | {ms(ll, 'both_ms')} | {ms(ff, 'both_ms')} | "
-                     f"{ratio('both_ms')} | {mem} | {r.get('twin', '-')} |")
-    return "\n".join(lines)
+    def ratio(k):
+        g = k[:-3] + "_gpu_ms"
+        return f"{one(k)} ({one(g)})" if g in ll else one(k)
+    mem = (f"{ll['bwd_mem'] / gib:.2f} / {ff['bwd_mem'] / gib:.2f}" if "bwd_mem" in ll and "bwd_mem" in ff
+           else (f"{ll['bwd_mem'] / gib:.2f} / -" if "bwd_mem" in ll else "-"))
+    tflops = f"{r['flop'] / (ll['fwd_ms'] * 1e-3) / 1e12:.0f}"
+    if "fwd_gpu_ms" in ll:
+        tflops += f" ({r['flop'] / (ll['fwd_gpu_ms'] * 1e-3) / 1e12:.0f})"
+    return (f"| {r['mixer']} | {s.B},{s.T},{s.H},{s.K},{s.V} | {ms(ll, 'fwd_ms')} | {ms(ff, 'fwd_ms')} | "
+            f"{ratio('fwd_ms')} | {tflops} | {ms(ll, 'both_ms')} | {ms(ff, 'both_ms')} | "
+            f"{ratio('both_ms')} | {mem} | {r.get('twin', '-')} |")

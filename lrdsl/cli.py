@@ -61,8 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Time the chunked kernels on the GPU beside flash-linear-attention's twin, "
                                    "on the same inputs: wall-clock ms per call and, in brackets, GPU time (the "
                                    "summed durations of the call's kernels), TFLOP/s and peak memory. "
-                                   "Stopped (Ctrl-C, or SIGTERM from timeout) it prints the table of the "
-                                   "specs it finished and exits with 130.")
+                                   "Each spec's row is printed as it finishes; stopped (Ctrl-C, or SIGTERM "
+                                   "from timeout) it says where and exits with 130.")
     b.add_argument("spec", nargs="+", help="path(s) to .lr spec files")
     b.add_argument("--shape", default="4,4096,16,128,128", metavar="B,T,H,K,V",
                    help="batch, tokens, heads, key and value size (default: 4,4096,16,128,128); bf16 inputs")
@@ -137,23 +137,25 @@ def cmd_bench(args) -> int:
     if not torch.cuda.is_available():
         raise LrdslError("lrdsl bench times GPU kernels, and torch sees no CUDA device")
     from .api import compile
-    rows = []
-    # a bench of many specs takes minutes: stopped by Ctrl-C or by `timeout` (SIGTERM), it still
-    # prints the table of the specs it finished, which would otherwise be lost with the process
+    done = 0
+    # a bench of many specs takes minutes: each spec's row is printed as it finishes, so a stop
+    # by Ctrl-C or `timeout` (SIGTERM), or a kill, leaves the rows of the specs it finished
+    print(f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(bench.table_head(), flush=True)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for i, path in enumerate(args.spec):
             print(f"[{i + 1}/{len(args.spec)}] {path}: compiling, tuning, timing", file=sys.stderr, flush=True)
-            rows.append(bench.bench(compile(path), shape, args.backward, args.fla,
-                                    log=lambda s: print(s, file=sys.stderr, flush=True)))
+            row = bench.bench(compile(path), shape, args.backward, args.fla,
+                              log=lambda s: print(s, file=sys.stderr, flush=True))
+            print(bench.table_row(row), flush=True)
+            done += 1
     except KeyboardInterrupt:
-        print(f"lrdsl bench: stopped during {args.spec[len(rows)]}; the table holds the "
-              f"{len(rows)} of {len(args.spec)} specs it finished", file=sys.stderr, flush=True)
+        print(f"lrdsl bench: stopped during {args.spec[done]}; the table holds the "
+              f"{done} of {len(args.spec)} specs it finished", file=sys.stderr, flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print(bench.table(rows), flush=True)
-    return 0 if len(rows) == len(args.spec) else 130
+    return 0 if done == len(args.spec) else 130
 
 
 def _interrupt(signum, frame):

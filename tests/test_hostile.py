@@ -252,3 +252,28 @@ def test_a_stopped_bench_prints_the_specs_it_finished(how, monkeypatch, capsys):
     assert "| mamba2 | 4,4096,16,128,128 | 1.500 |" in out and "retnet |" not in out
     assert "stopped during" in err and "retnet.lr" in err and "1 of 3" in err and "Traceback" not in err
     assert restored is guard  # the caller's handler is put back
+
+
+def test_a_killed_bench_leaves_the_rows_it_finished(tmp_path):
+    """A bench killed outright (SIGKILL: no handler runs) during its second spec has already
+    printed the first spec's row, since each row is printed as its spec finishes."""
+    script = tmp_path / "killed_bench.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "import torch\n"
+        "from lrdsl import bench, cli\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch.cuda.get_device_name = lambda: 'test device'\n"
+        "calls = []\n"
+        "def fake_bench(mixer, s, backward, with_twin, log):\n"
+        "    calls.append(mixer.name)\n"
+        "    if len(calls) == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return {'mixer': mixer.name, 'shape': s, 'flop': 1e12, 'lrdsl': {'fwd_ms': 1.25, 'fwd_mem': 2 ** 30}}\n"
+        "bench.bench = fake_bench\n"
+        "sys.exit(cli.main(['bench', *sys.argv[1:]]))\n")
+    specs = [str(ROOT / "examples" / f"{n}.lr") for n in ("mamba2", "retnet")]
+    proc = subprocess.run([sys.executable, str(script), *specs], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == -9, proc.stderr
+    assert "| mamba2 | 4,4096,16,128,128 | 1.250 |" in proc.stdout and "| retnet |" not in proc.stdout
