@@ -123,8 +123,8 @@ class Plan:
     # the query as Raw (its input may be normalised) where the decay is not per key channel and
     # there are no auxiliary states, else None. The staged backward's dq stage then stores one number
     # per token (the factor, 1/||q||, the scale, exp(G)) instead of the decayed queries r * exp(G)
-    # ([T, K] in the operand dtype), and the reverse state pass reads the query's tile as loaded,
-    # the number going to the rows of dO
+    # ([T, K] in the operand dtype), and the reverse state pass reads the query's tile (one
+    # shared-memory buffer, not one per pipeline stage) and scales its tokens in registers
     raw_query: Raw | None = None
     # lets that read an auxiliary state and that the kernels' expressions read: (var, kind, pointer).
     # The aux pass makes them once per token, where the states are final, in the staged kernels'
