@@ -178,6 +178,14 @@ class Plan:
         return self.decay_kind == "scalar"
 
     @property
+    def decay_grad(self) -> bool:
+        """The staged backward makes the log-decay's gradient: a decay per token. A constant decay
+        (a number per head, from the head index alone: retnet) has none, and staged_dk then skips
+        what only that gradient reads (an S0 * dS sum and Z * (Kg dS) row sums per value tile, the
+        pairwise M = dP * P with its r u^T product, the reverse cumsum)."""
+        return self.decay_kind in ("scalar", "diagonal")
+
+    @property
     def raw_write_factor(self) -> bool:
         """plan.raw's write key or value carries a per-token factor."""
         return any(r.factor != "1.0" for r in self.raw[:2])
