@@ -181,8 +181,8 @@ class Plan:
     def decay_grad(self) -> bool:
         """The staged backward makes the log-decay's gradient: a decay per token. A constant decay
         (a number per head, from the head index alone: retnet) has none, and staged_dk then skips
-        what only that gradient reads (an S0 * dS sum and Z * (Kg dS) row sums per value tile, the
-        pairwise M = dP * P with its r u^T product, the reverse cumsum)."""
+        what only that gradient reads (an S0 * dS sum per value tile, the per-token sums of dKg * Kg
+        and of M = dP * P or r.dr - u.du, the reverse cumsum)."""
         return self.decay_kind in ("scalar", "diagonal")
 
     @property
