@@ -178,6 +178,23 @@ class Plan:
         return self.decay_kind == "scalar"
 
     @property
+    def decay_grad(self) -> bool:
+        """The staged backward makes the log-decay's gradient: a decay per token. A constant decay
+        (a number per head, from the head index alone: retnet) has none, and staged_dk then skips
+        what only that gradient reads (an S0 * dS sum per value tile, the per-token sums of dKg * Kg
+        and of M = dP * P or r.dr - u.du, the reverse cumsum)."""
+        return self.decay_kind in ("scalar", "diagonal")
+
+    @property
+    def decay_grad_from_vectors(self) -> bool:
+        """staged_dk (a decay per token and head) takes the log-decay's gradient per token from the
+        vectors' own gradients, r.dr - u.du (FLA's dqkwg: dq.q - dk.k), rather than from the row and
+        column sums of M = dP * P, whose r u^T product is a dot of its own: without an erase. With
+        one (c.dc joins in) ptxas (sm_90a, gated_deltanet K = V = 128) had spills rise from 324 to
+        584 bytes at BV 64, from 244 to 560 at BV 32."""
+        return self.decay_kind == "scalar" and not self.delta
+
+    @property
     def raw_write_factor(self) -> bool:
         """plan.raw's write key or value carries a per-token factor."""
         return any(r.factor != "1.0" for r in self.raw[:2])

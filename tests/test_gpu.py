@@ -183,7 +183,7 @@ def test_novel_spec_written_for_the_tests_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
-@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "mamba2", "kda", "gla"])
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "mamba2", "retnet", "kda", "gla"])
 def test_every_staged_config(name):
     """Each config the autotuner of a staged kernel may pick, one kernel at a time (the others at
     their first config), against the float64 reference, bf16, varlen: the outputs for a forward
