@@ -162,3 +162,25 @@ def test_overflowing_key_leaves_earlier_dq(semantics):
     row = 37
     x = spoil(x, "a", 100.0, True, row)
     check_earlier_dq(mixer, x, opts, case, row, "an overflowing key")
+
+
+@pytest.mark.parametrize("semantics", ["gpu"], indirect=True)
+def test_dirty_chunk_of_a_later_batch_row(semantics, compiled, monkeypatch):
+    """Without packed sequences, inf in v of the second sequence's second chunk (one head): the
+    output stage's causal launch finds that (chunk, head) pair among all (sequence-major) and
+    leaves the chunk's tokens before it, and every other sequence and head, as the reference."""
+    mixer = compiled(spec_path("gated_deltanet"), check_ranges=False)
+    x, opts = draw_inputs(mixer, Case(B=2, T=150, H=1, HV=2, K=16, V=16, initial_state=True, seed=13), DEVICE)
+    v = x["v"].clone()
+    v[1, BT + 21, 1, 3] = float("inf")
+    x = dict(x, v=v)
+    monkeypatch.setattr(mixer.kernels, "torch", test_nonfinite.FinitePoison())
+    with torch.no_grad():
+        o, _ = mixer.chunk(**x, **opts)
+    h0 = opts["initial_state"]
+    ref_o, _ = mixer.reference(**{n: t.double() for n, t in x.items()}, **dict(opts, initial_state=h0.double()))
+    fin = torch.isfinite(ref_o)
+    assert torch.isfinite(ref_o[1, :BT + 21]).all() and not fin[1, BT + 21:, 1].all()
+    assert torch.equal(torch.isfinite(o), fin), f"finite at {(torch.isfinite(o) != fin).nonzero()[:4].tolist()}"
+    err = rms_ratio(o[fin], ref_o[fin])
+    assert err < TOL, f"rms ratio {err:.3g} over the finite entries"
