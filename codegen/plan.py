@@ -164,6 +164,19 @@ class Plan:
         return " * scale" if self.chain is not None and self.chain.direct else ""
 
     @property
+    def chain_in_dk(self) -> bool:
+        """staged_dk ends in the generated chain rule itself (chain_rule.py.jinja: _chain_tokens)
+        and stores the inputs' gradients, so no chain kernel is generated: an erase and a decay per
+        token and head at most (staged_dk then holds whole key rows of u's, c's and r's gradients
+        and the log-decay's per token), and every input's gradient made from those (Chain.v_loop
+        off: a value-channel input's is dz itself), with no auxiliary state, no offline solve and a
+        chain rule that is not direct. The chain kernel read du, dc, dr and the keys and queries
+        back (gated_deltanet, H200, B=4 T=4096 H=16: 123 us of 1.78 ms forward + backward)."""
+        ch = self.chain
+        return (ch is not None and not ch.direct and not ch.aux and not ch.extra and not ch.solve
+                and not ch.v_loop and self.delta and self.decay_kind != "diagonal" and not self.stored_lets)
+
+    @property
     def value_tile(self) -> str:
         """The helper that makes the backward's write-value tiles (their only use there: a product's
         operand): _raw_v where the value is an input's tile as stored (plan.raw_value without a

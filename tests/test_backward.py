@@ -442,6 +442,49 @@ def test_direct_chain_rule_runs_no_kernel():
     assert {"dq", "dk", "dv", "dg"} <= set(errors)
 
 
+# an erase with a decay per token and head, whose chain rule staged_dk applies in its epilogue
+# (plan.chain_in_dk): inputs shared by grouped value heads (q, k and b), a clamped one (b), the head
+# index in the decay and a param per key channel (w, its gradient per token summed by the host)
+FUSED = """mixer fused_chain
+input q[K] l2norm, k[K] l2norm, v[V], a, b shared in [-4, 4]
+param w[K] in [0, 1] init 0.5
+let beta = sigmoid(b)
+let kw = beta * w * k
+S = (I - kw k^T) exp(-softplus(a) * (1 + h/4)) S + kw v^T
+o = S^T q
+"""
+
+
+def test_staged_dk_takes_the_chain_rule_of_scalar_decay_delta_rules():
+    """gated_deltanet's and deltanet's backward generates no chain kernel: staged_dk ends in the
+    chain rule (_chain_tokens) and stores the inputs' gradients; a decay per key channel (kda) and
+    a gated write value (CHAINED: its gradient needs dz) keep the kernel."""
+    from lrdsl.runtime import generate
+    source = lambda m: generate(m.ir)
+    for stem in ("gated_deltanet", "deltanet"):
+        text = source(lrdsl.compile(ROOT / "examples" / f"{stem}.lr", load_kernels=False))
+        assert "staged_chain_kernel" not in text, stem
+        dk = text[text.index("def staged_dk_kernel("):text.index("def staged_bwd(")]
+        assert "    _chain_tokens(" in dk and "tl.store(du_ptr" not in dk, stem
+    assert "def staged_chain_kernel(" in source(lrdsl.compile(ROOT / "examples" / "kda.lr", load_kernels=False))
+    assert "def staged_chain_kernel(" in source(lrdsl.compile(text=CHAINED, load_kernels=False))
+
+
+@pytest.mark.parametrize("case_id", default_first(list(CASES), DEFAULT_CASE))
+def test_chain_rule_in_staged_dk_matches_reference(case_id, compiled):
+    """FUSED's gradients from staged_dk's epilogue (no chain kernel) against the float64
+    reference, b also outside its range (clamped there: a gradient of zero)."""
+    mixer = compiled(None, text=FUSED, check_ranges=False)
+    assert not hasattr(mixer.kernels, "staged_chain_kernel")
+
+    def edit(x):
+        x["b"][0, 2::7, 0] = 6.0
+
+    errors, failures = compare(mixer, CASES[case_id], output_final_state=True, seed=17, edit=edit)
+    assert not failures, f"{case_id}: failing {describe(failures)}\nall: {describe(errors)}"
+    assert {"dq", "dk", "da", "db", "dw"} <= set(errors)
+
+
 @pytest.mark.parametrize("name", ["gated_deltanet", "kda", "gla"])
 def test_backward_reuses_the_forwards_solve(name, compiled, monkeypatch):
     """The staged forward hands what its solve made (the WY inverse X; with a decay per key
