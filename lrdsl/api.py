@@ -202,7 +202,8 @@ class Mixer:
             from . import offline
             return offline.chunk(self, batch)
         tensors = [batch.tensors[n] for n in self.ir.tensor_names]
-        if batch.initial_aux is not None or self.keep_intermediates:
+        from .autograd import eager
+        if batch.initial_aux is not None or self.keep_intermediates or eager(tensors):
             return self._chunk_eager(batch, tensors)
         return self._chunk_tensors(batch, tensors)
 
@@ -213,8 +214,9 @@ class Mixer:
         return self._state_out(S, aux) if self.ir.aux else S
 
     def _chunk_eager(self, batch, tensors):
-        """chunk through autograd.ChunkFunction: from auxiliary initial states, or keeping the
-        forward's intermediates. Differentiable in every input, S0 and each auxiliary initial state."""
+        """chunk through autograd.ChunkFunction: from auxiliary initial states, keeping the
+        forward's intermediates, or outside torch.compile (autograd.eager: less host time than the
+        custom op). Differentiable in every input, S0 and each auxiliary initial state."""
         from . import autograd
         aux0 = list(batch.initial_aux or ())
         o, ht, *finals = autograd.ChunkFunction.apply(
