@@ -68,14 +68,43 @@ def _at_ends(P: torch.Tensor, b: Batch, j: int) -> torch.Tensor:
     return torch.where(empty.view(-1, 1, 1), start, P[rows, last])
 
 
+# Per-call index tensors are made on the device from cu_seqlens: a Python list (of
+# b.sequences()) as an index or torch.tensor(..., device=cuda) is a blocking host-to-device copy,
+# which waits for every kernel queued before it, and cu_seqlens.tolist() waits too.
+def _starts(b: Batch, dev) -> torch.Tensor:
+    """[T] bool: True at the tokens where a sequence starts."""
+    if b.cu_seqlens is None:
+        starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
+        starts[:1] = True
+        return starts
+    starts = torch.zeros(b.T + 1, dtype=torch.bool, device=dev)  # an empty last sequence starts at T
+    starts.index_fill_(0, b.cu_seqlens[:-1].to(device=dev, dtype=torch.int64), True)
+    return starts[:b.T]
+
+
+def _start_rows(b: Batch, dev) -> torch.Tensor:
+    """[B * T] int32: the sequence whose first token each row is, -1 elsewhere (empty sequences
+    have none)."""
+    if b.cu_seqlens is None:
+        rows = torch.full((b.B, b.T), -1, dtype=torch.int32, device=dev)
+        if b.T:
+            rows[:, 0] = torch.arange(b.B, dtype=torch.int32, device=dev)
+        return rows.view(-1)
+    cu = b.cu_seqlens.to(device=dev, dtype=torch.int64)
+    rows = torch.full((b.T + 1,), -1, dtype=torch.int32, device=dev)
+    # an empty sequence shares its start with the next one: it writes the spare row T instead
+    at = torch.where(cu[1:] > cu[:-1], cu[:-1], b.T)
+    rows[at] = torch.arange(cu.numel() - 1, dtype=torch.int32, device=dev)
+    return rows[:b.T]
+
+
 def _scan_frame(b: Batch, env: dict, dtype):
     """(the vectors' shapes by kind, the sequence starts [T] bool, (batch row, token, sequence) of
     each non-empty sequence's first token where the batch has initial auxiliary states, else [])."""
     dev = b.tensors["q"].device
     env["h"] = torch.arange(b.HV, device=dev, dtype=dtype).view(1, 1, b.HV, 1)
     shp = {"K": (b.B, b.T, b.HV, b.K), "V": (b.B, b.T, b.HV, b.V), "scalar": (b.B, b.T, b.HV, 1)}
-    starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
-    starts[[s for _, s, _ in b.sequences() if s < b.T]] = True
+    starts = _starts(b, dev)
     firsts = [] if b.initial_aux is None else [
         torch.tensor(c, device=dev) for c in zip(*((bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s))]
     return shp, starts, firsts
@@ -204,17 +233,15 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
             d = torch.as_tensor(to_torch(a.decay)(env), dtype=torch.float32, device=dev)
             decays.append(_full(d, shp["scalar"] if d.dim() == 0 or d.shape[-1] == 1 else shp[a.kind],
                                 torch.float32, dev))
-        seqs = b.sequences()
         # the sequence whose first token each row is (-1: none): there the kernel's state before
         # the token is the initial one (or zero), not the previous row's
-        start_seq = torch.full((b.B * b.T,), -1, dtype=torch.int32, device=dev)
-        heads = [(bi * b.T + s, n) for n, (bi, s, e) in enumerate(seqs) if e > s]
-        if heads:
-            rows, ns = zip(*heads)
-            start_seq[torch.tensor(rows, device=dev)] = torch.tensor(ns, dtype=torch.int32, device=dev)
+        start_seq = _start_rows(b, dev)
         extra = {"aw_" + n: P for n, P in zip(module.CHAIN_AUX, states)}  # unread by the first launch
         local = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states, local=True, start_seq=start_seq)
-        live = [(n, bi, e - 1) for n, (bi, s, e) in enumerate(seqs) if e > s]
+        # (sequence, row, last token) of each non-empty sequence: host lists, only where the final
+        # states' gradients flow (a host-to-device copy)
+        live = None if all(d is None for d in dfinal_aux) else \
+            [(n, bi, e - 1) for n, (bi, s, e) in enumerate(b.sequences()) if e > s]
         daux = []
         for j, (a, decay) in enumerate(zip(mixer_ir.aux, decays)):
             dp = local["aux " + a.name]
@@ -296,22 +323,38 @@ class ChunkFunction(torch.autograd.Function):
         aux0c = [a.to(torch.float32).contiguous() for a in aux0] if n_aux else None
         r = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, keep=keep, initial_aux=aux0c)
         ctx.save_for_backward(*tensors, *(aux0c or ()))
+        # the staged solve's residual spares the backward a solve, as in the custom op; from
+        # auxiliary initial states the backward solves again, as before
+        residual = r.residual if not n_aux else None
         ctx.info = (mixer_ir, module, batch, names, h0c, None if h0 is None else h0.dtype,
-                    [a.dtype for a in aux0], n, r.saved)
+                    [a.dtype for a in aux0], n, r.saved, residual)
         ctx.set_materialize_grads(False)
         return (r.o, r.final_state, *r.final_aux)
 
     @staticmethod
     def backward(ctx, do, dht, *dfinal_aux):
-        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n, saved = ctx.info
+        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n, saved, residual = ctx.info
         stored = ctx.saved_tensors
         tensors, aux0 = list(stored[:n]), (list(stored[n:]) if aux_dtypes else None)
         needs = ctx.needs_input_grad[7:]
         grads, dh0, daux = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs[:n], saved,
-                                       initial_aux=aux0, dfinal_aux=dfinal_aux)
+                                       residual=residual, initial_aux=aux0, dfinal_aux=dfinal_aux)
         dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[5] else None
         daux = [g.to(d) if need else None for g, d, need in zip(daux, aux_dtypes, needs[n:])]
         return (None, None, None, None, None, dh0, None, *grads, *daux)
+
+
+def eager(tensors) -> bool:
+    """Whether chunk may take ChunkFunction instead of its custom op: the op's Python dispatch
+    (pytree, schema defaults, the autograd wrapper, a second op for the backward) costs some
+    0.1 ms of host time each way per call, more than the kernels' launches. Only outside
+    torch.compile (which needs the op), torch.func transforms and Python modes, on plain tensors
+    (nn.Parameter included); both run the same host functions and kernels."""
+    if torch.compiler.is_compiling():  # first: dynamo traces no further
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return (torch._C._functorch.peek_interpreter_stack() is None and not torch._C._is_torch_function_mode_enabled()
+            and _get_current_dispatch_mode() is None and not torch.overrides.has_torch_function(tensors))
 
 
 _OPS = {}
