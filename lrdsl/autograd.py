@@ -71,12 +71,34 @@ def _at_ends(P: torch.Tensor, b: Batch, j: int) -> torch.Tensor:
 # Per-call index tensors are made on the device from cu_seqlens: a Python list (of
 # b.sequences()) as an index or torch.tensor(..., device=cuda) is a blocking host-to-device copy,
 # which waits for every kernel queued before it, and cu_seqlens.tolist() waits too.
+_FRAMES = {}  # (what, B, T, device) -> its read-only tensor, where the sequences are whole rows
+
+
+def _frame(what: str, b: Batch, dev, make) -> torch.Tensor:
+    """make(), kept for the next call with the same B, T and device outside torch.compile,
+    torch.func transforms and Python dispatch modes (no wrapped or fake tensor is kept): a few
+    small launches fewer per backward."""
+    if torch.compiler.is_compiling():
+        return make()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    if torch._C._functorch.peek_interpreter_stack() is not None or _get_current_dispatch_mode() is not None:
+        return make()
+    key = (what, b.B, b.T, torch.device(dev))
+    if key not in _FRAMES:
+        if len(_FRAMES) >= 64:
+            _FRAMES.clear()
+        _FRAMES[key] = make()
+    return _FRAMES[key]
+
+
 def _starts(b: Batch, dev) -> torch.Tensor:
-    """[T] bool: True at the tokens where a sequence starts."""
+    """[T] bool: True at the tokens where a sequence starts (read only)."""
     if b.cu_seqlens is None:
-        starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
-        starts[:1] = True
-        return starts
+        def make():
+            starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
+            starts[:1] = True
+            return starts
+        return _frame("starts", b, dev, make)
     starts = torch.zeros(b.T + 1, dtype=torch.bool, device=dev)  # an empty last sequence starts at T
     starts.index_fill_(0, b.cu_seqlens[:-1].to(device=dev, dtype=torch.int64), True)
     return starts[:b.T]
@@ -84,12 +106,14 @@ def _starts(b: Batch, dev) -> torch.Tensor:
 
 def _start_rows(b: Batch, dev) -> torch.Tensor:
     """[B * T] int32: the sequence whose first token each row is, -1 elsewhere (empty sequences
-    have none)."""
+    have none; read only)."""
     if b.cu_seqlens is None:
-        rows = torch.full((b.B, b.T), -1, dtype=torch.int32, device=dev)
-        if b.T:
-            rows[:, 0] = torch.arange(b.B, dtype=torch.int32, device=dev)
-        return rows.view(-1)
+        def make():
+            rows = torch.full((b.B, b.T), -1, dtype=torch.int32, device=dev)
+            if b.T:
+                rows[:, 0] = torch.arange(b.B, dtype=torch.int32, device=dev)
+            return rows.view(-1)
+        return _frame("start rows", b, dev, make)
     cu = b.cu_seqlens.to(device=dev, dtype=torch.int64)
     rows = torch.full((b.T + 1,), -1, dtype=torch.int32, device=dev)
     # an empty sequence shares its start with the next one: it writes the spare row T instead
@@ -201,6 +225,22 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     return grads, dh0, daux
 
 
+_SCANS = {}  # id(mixer IR) -> (that IR, _scans_ir's answer): made once per mixer
+
+
+def _scans_ir(mixer_ir):
+    """The IR with only the inputs and params the auxiliary decays read: one number per head
+    where a decay is (the reverse scan's coefficients); the writes, the L2 norms and the states are
+    the kernels'."""
+    hit = _SCANS.get(id(mixer_ir))
+    if hit is None or hit[0] is not mixer_ir:
+        used = {s.name for a in mixer_ir.aux for s in a.decay.free_symbols}
+        hit = _SCANS[id(mixer_ir)] = (mixer_ir, dataclasses.replace(
+            mixer_ir, inputs=tuple(i for i in mixer_ir.inputs if i.name in used),
+            params=tuple(p for p in mixer_ir.params if p.name in used)))
+    return hit[1]
+
+
 def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux=None, dfinal_aux=(), states=()):
     """(every input's gradient, each auxiliary initial state's (empty when initial_aux is None))
     through the generated chain-rule kernel, for a spec with auxiliary states (codegen/chain.py):
@@ -217,11 +257,7 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
     dev = tensors[0].device
     cu = None if batch.cu_seqlens is None else batch.cu_seqlens.to(torch.int64).contiguous()
     p0 = None if initial_aux is None else [a.float().contiguous() for a in initial_aux]
-    # only the inputs the decays read: one number per head where a decay is (the reverse scan's
-    # coefficients); the writes, the L2 norms and the states are the kernels'
-    used = {s.name for a in mixer_ir.aux for s in a.decay.free_symbols}
-    scans_ir = dataclasses.replace(mixer_ir, inputs=tuple(i for i in mixer_ir.inputs if i.name in used),
-                                   params=tuple(p for p in mixer_ir.params if p.name in used))
+    scans_ir = _scans_ir(mixer_ir)
     with torch.no_grad():
         BT = module.STAGED_CHUNK
         if not states or any(P is None for P in states):
