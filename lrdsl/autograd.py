@@ -377,7 +377,26 @@ class ChunkFunction(torch.autograd.Function):
                                        residual=residual, initial_aux=aux0, dfinal_aux=dfinal_aux)
         dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[5] else None
         daux = [g.to(d) if need else None for g, d, need in zip(daux, aux_dtypes, needs[n:])]
-        return (None, None, None, None, None, dh0, None, *grads, *daux)
+        out = (None, None, None, None, None, dh0, None, *grads, *daux)
+        return _not_twice(out) if torch.is_grad_enabled() else out
+
+
+def _not_twice(out):
+    """Under create_graph: the gradients marked so that a backward through them raises (as through
+    the custom op, whose backward has no formula), not a silent zero: the kernels' gradients have
+    no derivative."""
+    live = [i for i, g in enumerate(out) if g is not None]
+    if not live:
+        return out
+    # what once_differentiable marks its outputs with
+    err = torch._C._functions.DelayedError(b"lrdsl: the chunked kernels' backward is not differentiable "
+                                           b"(no second derivatives)", len(live))
+    marked = err(*[out[i].detach().requires_grad_() for i in live])
+    marked = (marked,) if isinstance(marked, torch.Tensor) else marked
+    out = list(out)
+    for i, g in zip(live, marked):
+        out[i] = g
+    return tuple(out)
 
 
 def eager(tensors) -> bool:
