@@ -23,8 +23,12 @@ from .tensors import Batch
 
 
 def _full(x, shape, dtype, device):
-    t = torch.as_tensor(x, dtype=dtype, device=device)
-    return t.expand(shape) if t.dim() else torch.full(shape, float(t), dtype=dtype, device=device)
+    """x as a [shape] tensor: a broadcast view of a tensor with dims; a number (or a host tensor of
+    none) filled on the device, with no host-to-device copy and no .item() (each waits for the GPU)."""
+    if isinstance(x, torch.Tensor) and (x.dim() or x.device.type != "cpu"):
+        t = x.to(dtype=dtype, device=device)
+        return t.expand(shape) if t.dim() else t.expand(shape).contiguous()
+    return torch.full(shape, float(x), dtype=dtype, device=device)
 
 
 def first_order_scan(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -139,8 +143,8 @@ def _scan_operands(a, j, env, b, shp, starts, firsts, dtype, per_head):
     state j: P_t = alpha_t P_{t-1} + beta_t, the initial state folded into a first token's beta.
     With per_head, a decay that is one number per head stays [B, T, HV, 1]."""
     dev = starts.device
-    decay = torch.as_tensor(to_torch(a.decay)(env), dtype=dtype, device=dev)
-    per_head = per_head and (decay.dim() == 0 or decay.shape[-1] == 1)
+    decay = to_torch(a.decay)(env)  # a tensor, or a number for a constant decay
+    per_head = per_head and (not isinstance(decay, torch.Tensor) or decay.dim() == 0 or decay.shape[-1] == 1)
     decay = _full(decay, shp["scalar"] if per_head else shp[a.kind], dtype, dev)
     beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
     if firsts:  # the first token of a sequence decays its initial state
@@ -266,9 +270,9 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
         shp, starts, firsts = _scan_frame(b, env, torch.float32)
         decays = []
         for a in mixer_ir.aux:
-            d = torch.as_tensor(to_torch(a.decay)(env), dtype=torch.float32, device=dev)
-            decays.append(_full(d, shp["scalar"] if d.dim() == 0 or d.shape[-1] == 1 else shp[a.kind],
-                                torch.float32, dev))
+            d = to_torch(a.decay)(env)  # a tensor, or a number for a constant decay
+            per_head = not isinstance(d, torch.Tensor) or d.dim() == 0 or d.shape[-1] == 1
+            decays.append(_full(d, shp["scalar"] if per_head else shp[a.kind], torch.float32, dev))
         # the sequence whose first token each row is (-1: none): there the kernel's state before
         # the token is the initial one (or zero), not the previous row's
         start_seq = _start_rows(b, dev)
