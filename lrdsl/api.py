@@ -202,7 +202,8 @@ class Mixer:
             from . import offline
             return offline.chunk(self, batch)
         tensors = [batch.tensors[n] for n in self.ir.tensor_names]
-        if batch.initial_aux is not None or self.keep_intermediates:
+        from .autograd import eager
+        if batch.initial_aux is not None or self.keep_intermediates or eager(tensors):
             return self._chunk_eager(batch, tensors)
         return self._chunk_tensors(batch, tensors)
 
@@ -213,10 +214,22 @@ class Mixer:
         return self._state_out(S, aux) if self.ir.aux else S
 
     def _chunk_eager(self, batch, tensors):
-        """chunk through autograd.ChunkFunction: from auxiliary initial states, or keeping the
-        forward's intermediates. Differentiable in every input, S0 and each auxiliary initial state."""
+        """chunk through autograd.ChunkFunction: from auxiliary initial states, keeping the
+        forward's intermediates, or outside torch.compile (autograd.eager: less host time than the
+        custom op). Differentiable in every input, S0 and each auxiliary initial state."""
+        import torch
+
         from . import autograd
         aux0 = list(batch.initial_aux or ())
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                for t in (*tensors, batch.initial_state, *aux0))):
+            # nothing to differentiate: ChunkFunction.forward's work without the Function's
+            inputs, h0, cu = autograd.host_args(list(self.ir.tensor_names), tensors, batch.initial_state,
+                                                batch.cu_seqlens)
+            aux0 = [a.to(torch.float32).contiguous() for a in aux0] if aux0 else None
+            r = self.kernels.chunk_fwd(inputs, batch.scale, h0, batch.output_final_state, cu,
+                                       keep=self.keep_intermediates, initial_aux=aux0)
+            return r.o, self._final(batch, r.final_state, r.final_aux)
         o, ht, *finals = autograd.ChunkFunction.apply(
             self.ir, self.kernels, batch, list(self.ir.tensor_names), self.keep_intermediates,
             batch.initial_state, len(aux0), *tensors, *aux0)

@@ -23,8 +23,12 @@ from .tensors import Batch
 
 
 def _full(x, shape, dtype, device):
-    t = torch.as_tensor(x, dtype=dtype, device=device)
-    return t.expand(shape) if t.dim() else torch.full(shape, float(t), dtype=dtype, device=device)
+    """x as a [shape] tensor: a broadcast view of a tensor with dims; a number (or a host tensor of
+    none) filled on the device, with no host-to-device copy and no .item() (each waits for the GPU)."""
+    if isinstance(x, torch.Tensor) and (x.dim() or x.device.type != "cpu"):
+        t = x.to(dtype=dtype, device=device)
+        return t.expand(shape) if t.dim() else t.expand(shape).contiguous()
+    return torch.full(shape, float(x), dtype=dtype, device=device)
 
 
 def first_order_scan(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -68,14 +72,67 @@ def _at_ends(P: torch.Tensor, b: Batch, j: int) -> torch.Tensor:
     return torch.where(empty.view(-1, 1, 1), start, P[rows, last])
 
 
+# Per-call index tensors are made on the device from cu_seqlens: a Python list (of
+# b.sequences()) as an index or torch.tensor(..., device=cuda) is a blocking host-to-device copy,
+# which waits for every kernel queued before it, and cu_seqlens.tolist() waits too.
+_FRAMES = {}  # (what, B, T, device) -> its read-only tensor, where the sequences are whole rows
+
+
+def _frame(what: str, b: Batch, dev, make) -> torch.Tensor:
+    """make(), kept for the next call with the same B, T and device outside torch.compile,
+    torch.func transforms and Python dispatch modes (no wrapped or fake tensor is kept): a few
+    small launches fewer per backward."""
+    if torch.compiler.is_compiling():
+        return make()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    if torch._C._functorch.peek_interpreter_stack() is not None or _get_current_dispatch_mode() is not None:
+        return make()
+    key = (what, b.B, b.T, torch.device(dev))
+    if key not in _FRAMES:
+        if len(_FRAMES) >= 64:
+            _FRAMES.clear()
+        _FRAMES[key] = make()
+    return _FRAMES[key]
+
+
+def _starts(b: Batch, dev) -> torch.Tensor:
+    """[T] bool: True at the tokens where a sequence starts (read only)."""
+    if b.cu_seqlens is None:
+        def make():
+            starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
+            starts[:1] = True
+            return starts
+        return _frame("starts", b, dev, make)
+    starts = torch.zeros(b.T + 1, dtype=torch.bool, device=dev)  # an empty last sequence starts at T
+    starts.index_fill_(0, b.cu_seqlens[:-1].to(device=dev, dtype=torch.int64), True)
+    return starts[:b.T]
+
+
+def _start_rows(b: Batch, dev) -> torch.Tensor:
+    """[B * T] int32: the sequence whose first token each row is, -1 elsewhere (empty sequences
+    have none; read only)."""
+    if b.cu_seqlens is None:
+        def make():
+            rows = torch.full((b.B, b.T), -1, dtype=torch.int32, device=dev)
+            if b.T:
+                rows[:, 0] = torch.arange(b.B, dtype=torch.int32, device=dev)
+            return rows.view(-1)
+        return _frame("start rows", b, dev, make)
+    cu = b.cu_seqlens.to(device=dev, dtype=torch.int64)
+    rows = torch.full((b.T + 1,), -1, dtype=torch.int32, device=dev)
+    # an empty sequence shares its start with the next one: it writes the spare row T instead
+    at = torch.where(cu[1:] > cu[:-1], cu[:-1], b.T)
+    rows[at] = torch.arange(cu.numel() - 1, dtype=torch.int32, device=dev)
+    return rows[:b.T]
+
+
 def _scan_frame(b: Batch, env: dict, dtype):
     """(the vectors' shapes by kind, the sequence starts [T] bool, (batch row, token, sequence) of
     each non-empty sequence's first token where the batch has initial auxiliary states, else [])."""
     dev = b.tensors["q"].device
     env["h"] = torch.arange(b.HV, device=dev, dtype=dtype).view(1, 1, b.HV, 1)
     shp = {"K": (b.B, b.T, b.HV, b.K), "V": (b.B, b.T, b.HV, b.V), "scalar": (b.B, b.T, b.HV, 1)}
-    starts = torch.zeros(b.T, dtype=torch.bool, device=dev)
-    starts[[s for _, s, _ in b.sequences() if s < b.T]] = True
+    starts = _starts(b, dev)
     firsts = [] if b.initial_aux is None else [
         torch.tensor(c, device=dev) for c in zip(*((bi, s, n) for n, (bi, s, e) in enumerate(b.sequences()) if e > s))]
     return shp, starts, firsts
@@ -86,8 +143,8 @@ def _scan_operands(a, j, env, b, shp, starts, firsts, dtype, per_head):
     state j: P_t = alpha_t P_{t-1} + beta_t, the initial state folded into a first token's beta.
     With per_head, a decay that is one number per head stays [B, T, HV, 1]."""
     dev = starts.device
-    decay = torch.as_tensor(to_torch(a.decay)(env), dtype=dtype, device=dev)
-    per_head = per_head and (decay.dim() == 0 or decay.shape[-1] == 1)
+    decay = to_torch(a.decay)(env)  # a tensor, or a number for a constant decay
+    per_head = per_head and (not isinstance(decay, torch.Tensor) or decay.dim() == 0 or decay.shape[-1] == 1)
     decay = _full(decay, shp["scalar"] if per_head else shp[a.kind], dtype, dev)
     beta = _full(to_torch(a.write)(env), shp[a.kind], dtype, dev)
     if firsts:  # the first token of a sequence decays its initial state
@@ -172,6 +229,22 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     return grads, dh0, daux
 
 
+_SCANS = {}  # id(mixer IR) -> (that IR, _scans_ir's answer): made once per mixer
+
+
+def _scans_ir(mixer_ir):
+    """The IR with only the inputs and params the auxiliary decays read: one number per head
+    where a decay is (the reverse scan's coefficients); the writes, the L2 norms and the states are
+    the kernels'."""
+    hit = _SCANS.get(id(mixer_ir))
+    if hit is None or hit[0] is not mixer_ir:
+        used = {s.name for a in mixer_ir.aux for s in a.decay.free_symbols}
+        hit = _SCANS[id(mixer_ir)] = (mixer_ir, dataclasses.replace(
+            mixer_ir, inputs=tuple(i for i in mixer_ir.inputs if i.name in used),
+            params=tuple(p for p in mixer_ir.params if p.name in used)))
+    return hit[1]
+
+
 def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux=None, dfinal_aux=(), states=()):
     """(every input's gradient, each auxiliary initial state's (empty when initial_aux is None))
     through the generated chain-rule kernel, for a spec with auxiliary states (codegen/chain.py):
@@ -188,11 +261,7 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
     dev = tensors[0].device
     cu = None if batch.cu_seqlens is None else batch.cu_seqlens.to(torch.int64).contiguous()
     p0 = None if initial_aux is None else [a.float().contiguous() for a in initial_aux]
-    # only the inputs the decays read: one number per head where a decay is (the reverse scan's
-    # coefficients); the writes, the L2 norms and the states are the kernels'
-    used = {s.name for a in mixer_ir.aux for s in a.decay.free_symbols}
-    scans_ir = dataclasses.replace(mixer_ir, inputs=tuple(i for i in mixer_ir.inputs if i.name in used),
-                                   params=tuple(p for p in mixer_ir.params if p.name in used))
+    scans_ir = _scans_ir(mixer_ir)
     with torch.no_grad():
         BT = module.STAGED_CHUNK
         if not states or any(P is None for P in states):
@@ -201,20 +270,18 @@ def aux_chain_rule(mixer_ir, module, batch, inputs, tensors, vgrads, initial_aux
         shp, starts, firsts = _scan_frame(b, env, torch.float32)
         decays = []
         for a in mixer_ir.aux:
-            d = torch.as_tensor(to_torch(a.decay)(env), dtype=torch.float32, device=dev)
-            decays.append(_full(d, shp["scalar"] if d.dim() == 0 or d.shape[-1] == 1 else shp[a.kind],
-                                torch.float32, dev))
-        seqs = b.sequences()
+            d = to_torch(a.decay)(env)  # a tensor, or a number for a constant decay
+            per_head = not isinstance(d, torch.Tensor) or d.dim() == 0 or d.shape[-1] == 1
+            decays.append(_full(d, shp["scalar"] if per_head else shp[a.kind], torch.float32, dev))
         # the sequence whose first token each row is (-1: none): there the kernel's state before
         # the token is the initial one (or zero), not the previous row's
-        start_seq = torch.full((b.B * b.T,), -1, dtype=torch.int32, device=dev)
-        heads = [(bi * b.T + s, n) for n, (bi, s, e) in enumerate(seqs) if e > s]
-        if heads:
-            rows, ns = zip(*heads)
-            start_seq[torch.tensor(rows, device=dev)] = torch.tensor(ns, dtype=torch.int32, device=dev)
+        start_seq = _start_rows(b, dev)
         extra = {"aw_" + n: P for n, P in zip(module.CHAIN_AUX, states)}  # unread by the first launch
         local = module.chain_rule(inputs, batch.scale, {**vgrads, **extra}, states, local=True, start_seq=start_seq)
-        live = [(n, bi, e - 1) for n, (bi, s, e) in enumerate(seqs) if e > s]
+        # (sequence, row, last token) of each non-empty sequence: host lists, only where the final
+        # states' gradients flow (a host-to-device copy)
+        live = None if all(d is None for d in dfinal_aux) else \
+            [(n, bi, e - 1) for n, (bi, s, e) in enumerate(b.sequences()) if e > s]
         daux = []
         for j, (a, decay) in enumerate(zip(mixer_ir.aux, decays)):
             dp = local["aux " + a.name]
@@ -296,22 +363,57 @@ class ChunkFunction(torch.autograd.Function):
         aux0c = [a.to(torch.float32).contiguous() for a in aux0] if n_aux else None
         r = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, keep=keep, initial_aux=aux0c)
         ctx.save_for_backward(*tensors, *(aux0c or ()))
+        # the staged solve's residual spares the backward a solve, as in the custom op; from
+        # auxiliary initial states the backward solves again, as before
+        residual = r.residual if not n_aux else None
         ctx.info = (mixer_ir, module, batch, names, h0c, None if h0 is None else h0.dtype,
-                    [a.dtype for a in aux0], n, r.saved)
+                    [a.dtype for a in aux0], n, r.saved, residual)
         ctx.set_materialize_grads(False)
         return (r.o, r.final_state, *r.final_aux)
 
     @staticmethod
     def backward(ctx, do, dht, *dfinal_aux):
-        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n, saved = ctx.info
+        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n, saved, residual = ctx.info
         stored = ctx.saved_tensors
         tensors, aux0 = list(stored[:n]), (list(stored[n:]) if aux_dtypes else None)
         needs = ctx.needs_input_grad[7:]
         grads, dh0, daux = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs[:n], saved,
-                                       initial_aux=aux0, dfinal_aux=dfinal_aux)
+                                       residual=residual, initial_aux=aux0, dfinal_aux=dfinal_aux)
         dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[5] else None
         daux = [g.to(d) if need else None for g, d, need in zip(daux, aux_dtypes, needs[n:])]
-        return (None, None, None, None, None, dh0, None, *grads, *daux)
+        out = (None, None, None, None, None, dh0, None, *grads, *daux)
+        return _not_twice(out) if torch.is_grad_enabled() else out
+
+
+def _not_twice(out):
+    """Under create_graph: the gradients marked so that a backward through them raises (as through
+    the custom op, whose backward has no formula), not a silent zero: the kernels' gradients have
+    no derivative."""
+    live = [i for i, g in enumerate(out) if g is not None]
+    if not live:
+        return out
+    # what once_differentiable marks its outputs with
+    err = torch._C._functions.DelayedError(b"lrdsl: the chunked kernels' backward is not differentiable "
+                                           b"(no second derivatives)", len(live))
+    marked = err(*[out[i].detach().requires_grad_() for i in live])
+    marked = (marked,) if isinstance(marked, torch.Tensor) else marked
+    out = list(out)
+    for i, g in zip(live, marked):
+        out[i] = g
+    return tuple(out)
+
+
+def eager(tensors) -> bool:
+    """Whether chunk may take ChunkFunction instead of its custom op: the op's Python dispatch
+    (pytree, schema defaults, the autograd wrapper, a second op for the backward) costs some
+    0.1 ms of host time each way per call, more than the kernels' launches. Only outside
+    torch.compile (which needs the op), torch.func transforms and Python modes, on plain tensors
+    (nn.Parameter included); both run the same host functions and kernels."""
+    if torch.compiler.is_compiling():  # first: dynamo traces no further
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return (torch._C._functorch.peek_interpreter_stack() is None and not torch._C._is_torch_function_mode_enabled()
+            and _get_current_dispatch_mode() is None and not torch.overrides.has_torch_function(tensors))
 
 
 _OPS = {}

@@ -88,9 +88,14 @@ def scan_bwd_kernel(a_ptr, p_ptr, dp_ptr, da_ptr, db_ptr, T, n_bth, HV: tl.const
         b_carry = tl.sum(tl.where(o_t[:, None] == BT - 1, b_dpt, 0.0), 0)
 
 
+# without the constexpr_function wrapper of Triton 3.5+ (~2 us a host call)
+_cdiv = getattr(triton.cdiv, "fn", triton.cdiv)
+_pow2 = getattr(triton.next_power_of_2, "fn", triton.next_power_of_2)
+
+
 def _blocks(D):
-    bd = min(BD, max(16, triton.next_power_of_2(D)))
-    return bd, triton.cdiv(D, bd)
+    bd = min(BD, max(16, _pow2(D)))
+    return bd, _cdiv(D, bd)
 
 
 def scan_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""Host (Python) time of mixer.chunk's forward and forward + backward, kernels left out (or, with
+--cuda on a GPU, with them).
+
+Every Triton launch (JITFunction.run, Autotuner.run, Heuristics.run) is replaced by a stub that
+returns at once and counts the launch, so what is timed on small CPU tensors is lrdsl's own host
+path: validation, the custom op's dispatch, allocations, the chain rule's host code. On the GPU
+this time adds to the kernels' wherever the call is launch-bound (`lrdsl bench`'s wall ms above
+its GPU ms). Outputs are uninitialised memory: only the time means anything here.
+
+--cuda (a GPU, real launches, no stubs): per call, the host time until the call returns (the GPU
+idle at its start: the launches are asynchronous, so this is the host's own time plus any wait
+for the device) and the wall time to the device's end, and the number of synchronising CUDA
+calls one forward + backward makes (torch.cuda.set_sync_debug_mode: .item(), a host-to-device
+copy from a Python list, nonzero, ...), each a stall of the launch pipeline.
+
+    python3 benchmarks/host_overhead.py [SPEC ...] [--reps N] [--dtype bf16|fp32|both]
+                                        [--shape B,T,H,K,V] [--profile fwd|both] [--top N]
+    python3 benchmarks/host_overhead.py --cuda --shape 4,4096,16,128,128 --reps 20 [SPEC ...]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's lrdsl
+if os.environ.get("TRITON_INTERPRET"):  # the launches are stubbed: no interpreter wanted
+    os.environ.pop("TRITON_INTERPRET")
+
+import torch  # noqa: E402
+
+import lrdsl  # noqa: E402
+from lrdsl.bench import parse_shape  # noqa: E402
+
+LAUNCHES = [0]
+
+
+def stub_launches():
+    """Make every Triton launch a no-op that counts itself."""
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.jit as jit
+
+    def run(self, *args, **kwargs):
+        LAUNCHES[0] += 1
+
+    jit.JITFunction.run = run
+    autotuner.Autotuner.run = run
+    autotuner.Heuristics.run = run
+
+
+def inputs(mixer, s, dtype):
+    """CPU inputs inside their declared ranges (values do not matter to the host path)."""
+    x = {}
+    for i in mixer.ir.inputs:
+        shape = (s.B, s.T, s.H) + (() if i.kind == "scalar" else ((s.K,) if i.kind == "K" else (s.V,)))
+        t = torch.rand(shape)
+        if i.log:
+            t = -t
+        x[i.name] = t.to(dtype)
+    from lrdsl.params import param_shape
+    for p in mixer.ir.params:
+        x[p.name] = torch.zeros(param_shape(p, s.H, s.K, s.V))
+    return x
+
+
+def timed(f, reps):
+    """(fastest us per call, launches per call): the fastest of many is the least disturbed by
+    other processes on a shared CPU."""
+    f()
+    LAUNCHES[0] = 0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e6, LAUNCHES[0] / reps
+
+
+def steps(mixer, x):
+    leaves = [t.requires_grad_() for t in x.values() if t.is_floating_point()]
+    do = torch.randn_like(mixer.chunk(**x)[0].detach())
+
+    def fwd():
+        with torch.no_grad():
+            mixer.chunk(**x)
+
+    def both():
+        mixer.chunk(**x)[0].backward(do)
+        for t in leaves:
+            t.grad = None
+    return fwd, both
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("specs", nargs="*", default=["examples/linear_attention.lr", "examples/gated_deltanet.lr",
+                                                 "examples/precond_deltanet.lr"])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--dtype", choices=["bf16", "fp32", "both"], default="both")
+    ap.add_argument("--shape", default="1,256,2,64,64", help="B,T,H,K,V (default 1,256,2,64,64)")
+    ap.add_argument("--profile", choices=["fwd", "both"], help="cProfile one spec's calls instead")
+    ap.add_argument("--top", type=int, default=30, help="rows of each cProfile table")
+    ap.add_argument("--cuda", action="store_true", help="on a GPU: real launches (see above)")
+    a = ap.parse_args(argv)
+    if a.cuda:
+        return cuda_main(a)
+    stub_launches()
+    torch.set_num_threads(1)
+    s = parse_shape(a.shape)
+    dtypes = {"bf16": [torch.bfloat16], "fp32": [torch.float32], "both": [torch.bfloat16, torch.float32]}[a.dtype]
+    if a.profile:
+        mixer = lrdsl.compile(a.specs[0])
+        fwd, both = steps(mixer, inputs(mixer, s, dtypes[0]))
+        f = fwd if a.profile == "fwd" else both
+        f()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.reps):
+            f()
+        prof.disable()
+        for key in ("cumulative", "tottime"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(a.top)
+            print(out.getvalue())
+        return
+    print(f"{'spec':32s} {'dtype':8s} {'fwd us':>8s} {'launches':>8s} {'f+b us':>8s} {'launches':>8s}")
+    for spec in a.specs:
+        mixer = lrdsl.compile(spec)
+        for dt in dtypes:
+            fwd, both = steps(mixer, inputs(mixer, s, dt))
+            f_us, f_n = timed(fwd, a.reps)
+            b_us, b_n = timed(both, a.reps)
+            print(f"{os.path.basename(spec):32s} {str(dt)[6:]:8s} {f_us:8.0f} {f_n:8.1f} {b_us:8.0f} {b_n:8.1f}")
+
+
+def cuda_main(a):
+    """Real launches on the GPU: per call the host ms (the GPU idle at the start) and the wall ms
+    (to the device's end), do_bench's median as `lrdsl bench` takes it (here with no torch.profiler
+    session before it in the process), and the synchronising calls of one forward + backward."""
+    import warnings
+
+    from triton.testing import do_bench
+
+    from lrdsl.bench import draw
+    s = parse_shape(a.shape)
+    print(f"{'spec':28s} {'fwd host':>8s} {'wall':>7s} {'do_bench':>8s} {'f+b host':>8s} {'wall':>7s} "
+          f"{'do_bench':>8s} {'syncs':>5s}  (ms)")
+    for spec in a.specs:
+        mixer = lrdsl.compile(spec)
+        fwd, both = steps(mixer, draw(mixer, s))
+        row = []
+        for f in (fwd, both):
+            for _ in range(3):
+                f()
+            host, wall = [], []
+            for _ in range(a.reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                f()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                host.append(t1 - t0)
+                wall.append(time.perf_counter() - t0)
+            row += [sorted(host)[len(host) // 2] * 1e3, sorted(wall)[len(wall) // 2] * 1e3,
+                    do_bench(f, warmup=25, rep=100, return_mode="median")]
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                both()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        print(f"{os.path.basename(spec):28s} " + " ".join(f"{v:{8 if i % 3 != 1 else 7}.3f}" for i, v in enumerate(row))
+              + f" {len(syncs):5d}")
+        for w in syncs:
+            print(f"    sync: {w.filename}:{w.lineno}: {str(w.message)[:100]}")
+
+if __name__ == "__main__":
+    main()
