@@ -120,6 +120,11 @@ class Plan:
     # ([T, K] in the operand dtype), and the state passes (forward and reverse) give tl.dot the key
     # tile as loaded, the number going to the value side of the product (to its rows in reverse)
     raw_key: Raw | None = None
+    # (erase read c, write value z) as Raw where plan.raw_key is set, c is the same input's tile
+    # times per-token numbers and z an input's tile as stored, else (). The WY stage then gives tl.dot
+    # both tiles as loaded: c's numbers (1/||k||, exp(G)) scale the columns of X, a [BT, BT] tile,
+    # instead of the [BT, K] tile's rows (staged_wy_raw.py.jinja)
+    raw_wy: tuple = ()
     # the query as Raw (its input may be normalised) where the decay is not per key channel and
     # there are no auxiliary states, else None. The staged backward's dq stage then stores one number
     # per token (the factor, 1/||q||, the scale, exp(G)) instead of the decayed queries r * exp(G)
@@ -288,6 +293,7 @@ def plan(m: ir.Mixer) -> Plan:
         raw=raw,
         raw_value=_raw_value(m, raw) if not not_staged else None,
         raw_key=_raw_key(m) if not not_staged else None,
+        raw_wy=_raw_wy(m) if not not_staged else (),
         raw_query=_raw_query(m) if not not_staged else None,
         stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m, aux_lets)),
         aux_lets=tuple(var(lt.name) for lt in aux_lets),
@@ -308,6 +314,17 @@ def _raw_key(m: ir.Mixer) -> Raw | None:
     if m.delta is None or m.decay.kind == "diagonal" or m.aux:
         return None
     return _raw(m, m.write.key, "K", normalised=True)
+
+
+def _raw_wy(m: ir.Mixer) -> tuple:
+    """plan.raw_wy."""
+    key = _raw_key(m)
+    if key is None:
+        return ()
+    c, z = _raw(m, m.delta.c, "K", normalised=True), _raw(m, m.write.value, "V")
+    if c is None or z is None or z.factor != "1.0" or (c.ptr, c.heads) != (key.ptr, key.heads):
+        return ()
+    return c, z
 
 
 def _raw_query(m: ir.Mixer) -> Raw | None:
