@@ -223,12 +223,9 @@ class Mixer:
         aux0 = list(batch.initial_aux or ())
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                 for t in (*tensors, batch.initial_state, *aux0))):
-            # nothing to differentiate: ChunkFunction.forward's work without the Function's
-            inputs, h0, cu = autograd.host_args(list(self.ir.tensor_names), tensors, batch.initial_state,
-                                                batch.cu_seqlens)
-            aux0 = [a.to(torch.float32).contiguous() for a in aux0] if aux0 else None
-            r = self.kernels.chunk_fwd(inputs, batch.scale, h0, batch.output_final_state, cu,
-                                       keep=self.keep_intermediates, initial_aux=aux0)
+            # nothing to differentiate: ChunkFunction.forward's kernels without the Function
+            r, _, _ = autograd.chunk_forward(self.kernels, batch, list(self.ir.tensor_names),
+                                             self.keep_intermediates, tensors, batch.initial_state, aux0)
             return r.o, self._final(batch, r.final_state, r.final_aux)
         o, ht, *finals = autograd.ChunkFunction.apply(
             self.ir, self.kernels, batch, list(self.ir.tensor_names), self.keep_intermediates,

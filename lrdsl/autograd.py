@@ -82,10 +82,7 @@ def _frame(what: str, b: Batch, dev, make) -> torch.Tensor:
     """make(), kept for the next call with the same B, T and device outside torch.compile,
     torch.func transforms and Python dispatch modes (no wrapped or fake tensor is kept): a few
     small launches fewer per backward."""
-    if torch.compiler.is_compiling():
-        return make()
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    if torch._C._functorch.peek_interpreter_stack() is not None or _get_current_dispatch_mode() is not None:
+    if not _plain_mode():
         return make()
     key = (what, b.B, b.T, torch.device(dev))
     if key not in _FRAMES:
@@ -349,6 +346,15 @@ def vector_chain_rule(mixer_ir, batch, names, tensors, needs, vgrads, initial_au
     return found, daux
 
 
+def chunk_forward(module, batch, names, keep, tensors, h0, aux0):
+    """The forward kernels on the call's tensors: (their ChunkResult, the initial state and the
+    auxiliary initial states as the kernels took them: fp32, contiguous; None where not given)."""
+    inputs, h0c, cu = host_args(names, tensors, h0, batch.cu_seqlens)
+    aux0c = [a.to(torch.float32).contiguous() for a in aux0] if aux0 else None
+    r = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, keep=keep, initial_aux=aux0c)
+    return r, h0c, aux0c
+
+
 class ChunkFunction(torch.autograd.Function):
     """chunk outside the custom op: from a whole initial state (S and the auxiliary states), or
     keeping the forward's intermediates for the backward (keep: more memory, less time).
@@ -359,9 +365,7 @@ class ChunkFunction(torch.autograd.Function):
     def forward(ctx, mixer_ir, module, batch, names, keep, h0, n_aux, *tensors_and_aux):
         n = len(tensors_and_aux) - n_aux
         tensors, aux0 = list(tensors_and_aux[:n]), list(tensors_and_aux[n:])
-        inputs, h0c, cu = host_args(names, tensors, h0, batch.cu_seqlens)
-        aux0c = [a.to(torch.float32).contiguous() for a in aux0] if n_aux else None
-        r = module.chunk_fwd(inputs, batch.scale, h0c, batch.output_final_state, cu, keep=keep, initial_aux=aux0c)
+        r, h0c, aux0c = chunk_forward(module, batch, names, keep, tensors, h0, aux0)
         ctx.save_for_backward(*tensors, *(aux0c or ()))
         # the staged solve's residual spares the backward a solve, as in the custom op; from
         # auxiliary initial states the backward solves again, as before
@@ -409,11 +413,16 @@ def eager(tensors) -> bool:
     0.1 ms of host time each way per call, more than the kernels' launches. Only outside
     torch.compile (which needs the op), torch.func transforms and Python modes, on plain tensors
     (nn.Parameter included); both run the same host functions and kernels."""
+    return (_plain_mode() and not torch._C._is_torch_function_mode_enabled()
+            and not torch.overrides.has_torch_function(tensors))
+
+
+def _plain_mode() -> bool:
+    """Outside torch.compile, torch.func transforms and Python dispatch modes: real tensors only."""
     if torch.compiler.is_compiling():  # first: dynamo traces no further
         return False
     from torch.utils._python_dispatch import _get_current_dispatch_mode
-    return (torch._C._functorch.peek_interpreter_stack() is None and not torch._C._is_torch_function_mode_enabled()
-            and _get_current_dispatch_mode() is None and not torch.overrides.has_torch_function(tensors))
+    return torch._C._functorch.peek_interpreter_stack() is None and _get_current_dispatch_mode() is None
 
 
 _OPS = {}
