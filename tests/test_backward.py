@@ -294,6 +294,19 @@ def test_torch_compile_fullgraph_matches_eager(compiled):
     assert counter.frame_count == 1 and torch.allclose(loss_c2, loss_c)
 
 
+def test_second_derivative_through_the_kernels_raises(compiled):
+    """An eager call goes through ChunkFunction (autograd.eager), whose gradients have no
+    derivative: under create_graph a backward through them raises, as through the custom op, rather
+    than giving a silent zero."""
+    mixer = compiled(ROOT / "examples" / "linear_attention.lr")
+    x, opts = draw_inputs(mixer, Case(B=1, T=20, H=1, HV=1, K=16, V=16, seed=5), DEVICE)
+    q = x["q"].clone().requires_grad_()
+    o, _ = mixer.chunk(**dict(x, q=q), **opts)
+    (dq,) = torch.autograd.grad((o * o).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        dq.sum().backward()
+
+
 # ---- recurrent is forward-only ---------------------------------------------------------------
 @pytest.mark.parametrize("which", ["q", "beta", "initial_state"])
 def test_recurrent_refuses_inputs_that_require_grad(which, compiled):

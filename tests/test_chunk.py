@@ -179,18 +179,22 @@ def test_staged_forward_for_per_channel_decays(name, strong, compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("early", [True, False], ids=["early", "in-loop"])
-@pytest.mark.parametrize("name", ["kda", "gated_deltanet"])
+@pytest.mark.parametrize("name,early", [("kda", True), ("kda", False), ("gated_deltanet", None)],
+                         ids=["kda-early", "kda-in-loop", "gated_deltanet-raw"])
 def test_wy_stage_value_tiles_past_the_first(name, early, compiled, monkeypatch):
-    """The WY stage's value tiles after the first (V > BV): the first one loaded beside the key
-    side's tiles (EARLY) or in the loop with the others. The interpreter runs each tuning space's
-    first config, whose tile covers the other tests' values; this one takes 16-wide tiles."""
+    """The WY stage's value tiles after the first (V > BV): kda's first one loaded beside the key
+    side's tiles (EARLY) or in the loop with the others; gated_deltanet's WY stage on raw tiles
+    (plan.raw_wy), which has no EARLY. The interpreter runs each tuning space's first config, whose
+    tile covers the other tests' values; this one takes 16-wide tiles."""
     import triton
+    from lrdsl.codegen.plan import plan
     mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    assert bool(plan(mixer.ir).raw_wy) == (early is None)
     monkeypatch.setattr(mixer.kernels, "torch", PoisonTorch())  # U's tiles start as NaN
     tuner = mixer.kernels.staged_wy
     configs, cache = tuner.configs, dict(tuner.cache)
-    tuner.configs = [triton.Config({"BV": 16, "EARLY": early}, num_warps=4, num_stages=1)]
+    tile = {"BV": 16} if early is None else {"BV": 16, "EARLY": early}
+    tuner.configs = [triton.Config(tile, num_warps=4, num_stages=1)]
     tuner.cache.clear()
     try:
         case = Case(B=1, T=70, H=1, HV=2, K=16, V=40, cu_seqlens=(0, 23, 70), initial_state=True, seed=7)
@@ -204,6 +208,21 @@ def test_wy_stage_value_tiles_past_the_first(name, early, compiled, monkeypatch)
     ref_o, ref_s = reference(mixer, x, opts)
     e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
     assert e_o < TOL and e_s < TOL, f"{name} early={early}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
+
+
+def test_packed_sequences_changed_in_place(compiled):
+    """The chunk pairs of packed sequences are kept for the next call with the same cu_seqlens
+    tensor (the backward's); changing that tensor in place between calls gives the new split."""
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == "gated_deltanet"))
+    case = Case(B=1, T=150, H=1, HV=1, K=16, V=16, cu_seqlens=(0, 30, 150), seed=9)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    cu = opts["cu_seqlens"].to(torch.int64)
+    for cut in (30, 100):
+        cu[1] = cut
+        with torch.no_grad():
+            o, _ = mixer.chunk(**x, **dict(opts, cu_seqlens=cu))
+        ref_o, _ = reference(mixer, x, dict(opts, cu_seqlens=cu.clone()))
+        assert rms_ratio(o, ref_o) < TOL, f"cut at {cut}: rms ratio {rms_ratio(o, ref_o):.3g}"
 
 NAMES_LIKE_THE_KERNELS = """
 mixer names_like_the_kernels
