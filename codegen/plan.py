@@ -162,6 +162,17 @@ class Plan:
         return self.delta and self.decay_kind == "diagonal"
 
     @property
+    def split_dk(self) -> bool:
+        """The staged backward's last stage takes two launches (an erase, a decay per token and head
+        at most: chunk_staged_bwd_dk.py.jinja): staged_de_kernel the gradients through the erase
+        (from dE: z's, c's, dA and the log-decays' share through Cg and A), then staged_dk_kernel
+        those through Rg, P and Kg (from dO and dS) and u's. In one launch (ptxas, sm_90a,
+        gated_deltanet K = V = 128, eight warps) it held 255 registers and spilled 336 / 460 B at
+        BV 64, one program per SM; on the H200 (B=4 T=4096 H=16) it took 810 us of 1.74 ms forward
+        + backward. The second launch reads S0 and E again and dA ([BT, BT] per chunk)."""
+        return self.staged_backward and self.delta and self.decay_kind != "diagonal"
+
+    @property
     def dr_factor(self) -> str:
         """What the staged kernel that makes r's gradient (staged_dk; staged_dq with a decay per key
         channel) multiplies it by: the scale where the chain rule is direct (Chain.direct: it is

@@ -498,6 +498,28 @@ def test_chain_rule_in_staged_dk_matches_reference(case_id, compiled):
     assert {"dq", "dk", "da", "db", "dw"} <= set(errors)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["two launches", "one launch"])
+def test_stage_three_takes_two_launches_with_an_erase(split, monkeypatch):
+    """plan.split_dk: with an erase and no decay per key channel, the gradients from dE take a
+    launch of their own (staged_de) before staged_dk; never without an erase or with a decay per key
+    channel. Either way (the one-launch kernel by turning the property off) gated_deltanet's
+    gradients match the float64 reference, and each stage-3 kernel runs once per backward."""
+    from lrdsl.codegen.plan import Plan, plan
+    from lrdsl.runtime import generate
+    flags = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir).split_dk for p in EXAMPLES}
+    assert {s for s, f in flags.items() if f} == {"deltanet", "gated_deltanet", "gated_deltanet_gates",
+                                                 "gated_deltanet_negeig", "precond_deltanet",
+                                                 "channel_gates_scalar_decay"}, flags
+    if not split:
+        monkeypatch.setattr(Plan, "split_dk", property(lambda self: False))
+    mixer = lrdsl.compile(ROOT / "examples" / "gated_deltanet.lr")
+    assert ("def staged_de_kernel(" in generate(mixer.ir)) == split == hasattr(mixer.kernels, "staged_de_kernel")
+    launches = {n: count_launches(monkeypatch, mixer.kernels, n) for n in ("staged_de", "staged_dk")[1 - split:]}
+    errors, failures = compare(mixer, CASES[DEFAULT_CASE], output_final_state=True, seed=29)
+    assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
+    assert {n: len(g) for n, g in launches.items()} == dict.fromkeys(launches, 1)
+
+
 @pytest.mark.parametrize("name", ["gated_deltanet", "kda", "gla"])
 def test_backward_reuses_the_forwards_solve(name, compiled, monkeypatch):
     """The staged forward hands what its solve made (the WY inverse X; with a decay per key
