@@ -169,7 +169,9 @@ class Plan:
         those through Rg, P and Kg (from dO and dS) and u's. In one launch (ptxas, sm_90a,
         gated_deltanet K = V = 128, eight warps) it held 255 registers and spilled 336 / 460 B at
         BV 64, one program per SM; on the H200 (B=4 T=4096 H=16) it took 810 us of 1.74 ms forward
-        + backward. The second launch reads S0 and E again and dA ([BT, BT] per chunk)."""
+        + backward. Split, neither spills in its value loop (staged_host.py.jinja's spaces). The
+        second launch reads S0 and E again, and dA ([BT, BT] per chunk) and the log-decays' share
+        from the first. Off, every example generates the one-launch kernel of session 13."""
         return self.staged_backward and self.delta and self.decay_kind != "diagonal"
 
     @property
