@@ -184,27 +184,30 @@ def test_staged_forward_for_per_channel_decays(name, strong, compiled):
 def test_wy_stage_value_tiles_past_the_first(name, early, compiled, monkeypatch):
     """The WY stage's value tiles after the first (V > BV): kda's first one loaded beside the key
     side's tiles (EARLY) or in the loop with the others; gated_deltanet's WY stage on raw tiles
-    (plan.raw_wy), which has no EARLY. The interpreter runs each tuning space's first config, whose
-    tile covers the other tests' values; this one takes 16-wide tiles."""
+    (plan.raw_wy), which has no EARLY, and whose forward makes U in staged_solve_wy (plan.solve_wy_fused).
+    The interpreter runs each tuning space's first config, whose tile covers the other tests' values;
+    this one takes 16-wide tiles."""
     import triton
     from lrdsl.codegen.plan import plan
     mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
-    assert bool(plan(mixer.ir).raw_wy) == (early is None)
+    assert bool(plan(mixer.ir).raw_wy) == (early is None) == plan(mixer.ir).solve_wy_fused
     monkeypatch.setattr(mixer.kernels, "torch", PoisonTorch())  # U's tiles start as NaN
-    tuner = mixer.kernels.staged_wy
-    configs, cache = tuner.configs, dict(tuner.cache)
+    tuners = [mixer.kernels.staged_wy] + ([mixer.kernels.staged_solve_wy] if early is None else [])
+    kept = [(t.configs, dict(t.cache)) for t in tuners]
     tile = {"BV": 16} if early is None else {"BV": 16, "EARLY": early}
-    tuner.configs = [triton.Config(tile, num_warps=4, num_stages=1)]
-    tuner.cache.clear()
+    for tuner in tuners:
+        tuner.configs = [triton.Config(tile, num_warps=4, num_stages=1)]
+        tuner.cache.clear()
     try:
         case = Case(B=1, T=70, H=1, HV=2, K=16, V=40, cu_seqlens=(0, 23, 70), initial_state=True, seed=7)
         x, opts = draw_inputs(mixer, case, DEVICE)
         with torch.no_grad():
             o, s = mixer.chunk(**x, **opts)
     finally:
-        tuner.configs = configs
-        tuner.cache.clear()
-        tuner.cache.update(cache)
+        for tuner, (configs, cache) in zip(tuners, kept):
+            tuner.configs = configs
+            tuner.cache.clear()
+            tuner.cache.update(cache)
     ref_o, ref_s = reference(mixer, x, opts)
     e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
     assert e_o < TOL and e_s < TOL, f"{name} early={early}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
