@@ -171,8 +171,11 @@ class Plan:
         BV 64, one program per SM; on the H200 (B=4 T=4096 H=16) it took 810 us of 1.74 ms forward
         + backward. Split, neither spills in its value loop (staged_host.py.jinja's spaces). The
         second launch reads S0 and E again, and dA ([BT, BT] per chunk) and the log-decays' share
-        from the first. Off, every example generates the one-launch kernel of session 13."""
-        return self.staged_backward and self.delta and self.decay_kind != "diagonal"
+        from the first. Off, every example generates the one-launch kernel of session 13.
+        Measured there (session 14, the H200, short shape): gated_deltanet's two took 217 + 558 us
+        against 804 in one; deltanet's (no decay: its one launch spilled only 32 / 40 B) 177 + 382
+        against 486, so without a decay per token the one launch stays."""
+        return self.staged_backward and self.delta and self.decay_kind == "scalar"
 
     @property
     def solve_wy_fused(self) -> bool:
