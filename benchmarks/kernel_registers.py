@@ -1,0 +1,89 @@
+"""Registers, spills and shared memory of each generated kernel launch, as ptxas reports them for
+sm_90a, on a machine without a GPU. Runs the spec's chunk call (and backward) on CPU tensors with
+every launch intercepted: each launch is compiled (not run) for the config LRDSL_AUTOTUNE=0 picks.
+
+usage: python benchmarks/kernel_registers.py SPEC [--backward] [--only NAME] [--dump DIR] [--shape B,T,H,K,V]
+Run from a checkout's root (that checkout's lrdsl is imported)."""
+import argparse, os, re, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["LRDSL_AUTOTUNE"] = "0"
+sys.path.insert(0, os.getcwd())
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+ap = argparse.ArgumentParser()
+ap.add_argument("spec"); ap.add_argument("--backward", action="store_true")
+ap.add_argument("--only"); ap.add_argument("--dump"); ap.add_argument("--shape", default="1,256,2,128,128")
+a = ap.parse_args()
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+TARGET = GPUTarget("cuda", 90, 128)
+DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+      torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.int16: "i16"}
+OPTS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
+        "debug", "instrumentation_mode", "launch_pdl"}
+seen = {}
+
+
+def fake_run(self, *args, grid, warmup, **kwargs):
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTS}
+    opts.pop("debug", None); opts.pop("instrumentation_mode", None)
+    vals = dict(zip(self.arg_names, args)); vals.update(kwargs)
+    sig, const, attrs = {}, {}, {}
+    for p in self.params:
+        v = vals.get(p.name, p.default if hasattr(p, "default") else None)
+        if p.is_constexpr or v is None:
+            sig[p.name] = "constexpr"; const[p.name] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + DT[v.dtype]
+            if not p.do_not_specialize_on_alignment:
+                attrs[(p.num,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i64" if abs(v) >= 2**31 else "i32"
+            if not p.do_not_specialize and v % 16 == 0 and v != 0:
+                attrs[(p.num,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{self.__name__}: {p.name} = {v!r}")
+    name = self.__name__
+    key = (name, tuple(sorted(opts.items())), tuple(sorted((k, str(v)) for k, v in const.items())))
+    if key in seen or (a.only and a.only != name):
+        return None
+    k = triton.compile(ASTSource(self, sig, const, attrs), target=TARGET, options=opts)
+    with tempfile.TemporaryDirectory() as d:
+        f = os.path.join(d, "k.ptx"); open(f, "w").write(k.asm["ptx"])
+        r = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+    info = r.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    st = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    frame = re.search(r"(\d+) bytes stack frame", info)
+    seen[key] = True
+    print(f"{name:30s} warps={opts.get('num_warps', 4)} stages={opts.get('num_stages', 3)} "
+          f"maxnreg={opts.get('maxnreg')} regs={regs.group(1) if regs else '?'} "
+          f"spill st/ld={st.group(1) + '/' + st.group(2) if st else '?'} frame={frame.group(1) if frame else '?'} "
+          f"smem={k.metadata.shared}", flush=True)
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            open(os.path.join(a.dump, f"{name}.{ext}"), "w").write(k.asm[ext])
+    return None
+
+
+JITFunction.run = fake_run
+import lrdsl  # noqa: E402
+from lrdsl.bench import draw, parse_shape  # noqa: E402
+m = lrdsl.compile(a.spec)
+x = draw(m, parse_shape(a.shape), torch.bfloat16, "cpu")
+if a.backward:
+    for t in x.values():
+        if t.is_floating_point():
+            t.requires_grad_()
+o = m.chunk(**x)
+o = o[0] if isinstance(o, tuple) else o
+if a.backward:
+    o.float().sum().backward()
