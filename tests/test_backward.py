@@ -502,8 +502,9 @@ def test_chain_rule_in_staged_dk_matches_reference(case_id, compiled):
 def test_stage_three_takes_two_launches_with_an_erase(split, monkeypatch):
     """plan.split_dk: with an erase and a decay per token and head, the gradients from dE take a
     launch of their own (staged_de) before staged_dk; never without an erase, without a decay
-    (deltanet: slower split on the H200) or with a decay per key channel. Either way (the one-launch kernel by turning the property off) gated_deltanet's
-    gradients match the float64 reference, and each stage-3 kernel runs once per backward."""
+    (deltanet: the split was slower on the H200) or with a decay per key channel. Either way (the
+    one-launch kernel by turning the property off) gated_deltanet's gradients match the float64
+    reference, and each stage-3 kernel runs once per backward."""
     from lrdsl.codegen.plan import Plan, plan
     from lrdsl.runtime import generate
     flags = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir).split_dk for p in EXAMPLES}
