@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 
 import lrdsl
@@ -276,3 +278,34 @@ def test_no_split_of_key_channels_where_they_mix():
         assert not plan(lrdsl.compile(next(p for p in EXAMPLES if p.stem == name)).ir).state_split_k
     normed = lrdsl.compile(text="mixer normed_la\ninput q[K], k[K] l2norm, v[V]\nS = S + k v^T\no = S^T q\n")
     assert not plan(normed.ir).state_split_k
+
+
+@triton.jit
+def _inverse_tile_kernel(a_ptr, x_ptr, inverse, BT: tl.constexpr, BS: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    b_A = tl.load(a_ptr + o_t[:, None] * BT + o_t[None, :])
+    tl.store(x_ptr + o_t[:, None] * BT + o_t[None, :], inverse(b_A, BT, BS))
+
+
+@pytest.mark.parametrize("coupling", [0.3, 0.9])
+def test_unit_lower_inverse_tile_of_a_whole_chunk(coupling, compiled):
+    """staged_solve_wy's (I + A)^-1 of a strictly lower 64 x 64 tile (plan.solve_wy_fused) against
+    float64's, with keys close enough (coupling: their shared part) that the products across three
+    diagonal blocks (block 3 from block 0) count; zero above the diagonal blocks."""
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == "gated_deltanet"))
+    BT, BS = 64, 16
+    g = torch.Generator().manual_seed(5)
+    k = coupling * torch.randn(1, 16, generator=g) + (1 - coupling) * torch.randn(BT, 16, generator=g)
+    k = k / k.norm(dim=1, keepdim=True)
+    beta = torch.rand(BT, generator=g)
+    a = torch.tril(beta[:, None] * (k @ k.T), -1)
+    x = torch.full((BT, BT), float("nan"))
+    _inverse_tile_kernel[(1,)](a, x, mixer.kernels._unit_lower_inverse_tile, BT=BT, BS=BS)
+    ref = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + a.double())
+    blocks = torch.arange(BT)[:, None] // BS - torch.arange(BT)[None, :] // BS
+    d = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + torch.where(blocks == 0, a, 0).double())
+    m = d @ torch.where(blocks > 0, a, 0).double()
+    tol = 1e-4 * ref.abs().max()
+    assert (m @ m @ m @ d).abs().max() > 10 * tol  # the last term of the merge, block 3 from block 0, counts
+    assert (x - ref).abs().max() < tol
+    assert (x.triu(1)[torch.arange(BT)[:, None] // BS < torch.arange(BT)[None, :] // BS] == 0).all()
