@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of each generated kernel launch, as ptxas reports them for
-sm_90a, on a machine without a GPU. Runs the spec's chunk call (and backward) on CPU tensors with
-every launch intercepted: each launch is compiled (not run) for the config LRDSL_AUTOTUNE=0 picks.
+sm_90a, on a machine without a GPU, and the pipeliner's shared-memory rings (see rings()). Runs
+the spec's chunk call (and backward) on CPU tensors with every launch intercepted: each launch is
+compiled (not run) for the config LRDSL_AUTOTUNE=0 picks.
 
 usage: python benchmarks/kernel_registers.py SPEC [--backward] [--only NAME] [--dump DIR] [--shape B,T,H,K,V]
 Run from a checkout's root (that checkout's lrdsl is imported)."""
@@ -24,6 +25,23 @@ DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torc
 OPTS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
         "debug", "instrumentation_mode", "launch_pdl"}
 seen = {}
+
+
+def rings(ttgir: str) -> str:
+    """The pipeliner's shared-memory rings (slots x tile), and "(!)" where their depths differ. In
+    session 15 a kernel whose q and k tiles fed both a wgmma and a register sum got two slots for
+    three stages (the state tile three): each async copy overwrote the slot a pending wgmma still
+    read, and the H200 gave wrong output that the interpreter cannot show. Unequal depths are not
+    always wrong (two loops may pipeline differently), but are worth a look at the TTGIR (--dump)."""
+    found = [(n, t) for n, t in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x([0-9x]*[a-z]+\d*)", ttgir)
+             if int(n) > 1]  # one slot: a buffer, not a ring
+    if not found:
+        return ""
+    count = {}
+    for slots, tile in found:
+        count[f"{slots}x{tile}"] = count.get(f"{slots}x{tile}", 0) + 1
+    mixed = len({slots for slots, _ in found}) > 1
+    return " rings=" + ",".join(f"{r}*{n}" for r, n in sorted(count.items())) + (" (!)" if mixed else "")
 
 
 def fake_run(self, *args, grid, warmup, **kwargs):
@@ -66,7 +84,7 @@ def fake_run(self, *args, grid, warmup, **kwargs):
     print(f"{name:30s} warps={opts.get('num_warps', 4)} stages={opts.get('num_stages', 3)} "
           f"maxnreg={opts.get('maxnreg')} regs={regs.group(1) if regs else '?'} "
           f"spill st/ld={st.group(1) + '/' + st.group(2) if st else '?'} frame={frame.group(1) if frame else '?'} "
-          f"smem={k.metadata.shared}", flush=True)
+          f"smem={k.metadata.shared}{rings(k.asm['ttgir'])}", flush=True)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
         for ext in ("ttgir", "ptx"):
