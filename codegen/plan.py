@@ -223,8 +223,9 @@ class Plan:
         by exp(G_end - G). The pass made both from the raw numbers in its sequential loop, a
         cumulative sum and a sum across warps (shared memory, barriers) per chunk: on the H200 (B=1
         T=16384 H=32, session 15) it took 240 us where FLA's chunk_fwd_kernel_h, which loads G from
-        its cumsum kernel, took 171 at the same tile (BK = BV = 64, four warps, four stages). (The
-        value rows' pairwise form, G_end per state row, ran 12% slower than k^T's columns.)"""
+        its cumsum kernel, took 171 at the same tile (BK = BV = 64, four warps, four stages); with
+        the prefix 193 + 11 us, the forward 470 -> 429 us against FLA's 460. (The value rows'
+        pairwise form, G_end per state row, ran 12% slower than k^T's columns.)"""
         return bool(self.raw) and self.decay_kind == "scalar"
 
     @property
