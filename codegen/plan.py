@@ -246,6 +246,16 @@ class Plan:
         return self.decay_kind == "scalar" and not self.delta
 
     @property
+    def raw_qk_output(self) -> bool:
+        """The output stage of an erase gives tl.dot the query and key tiles as loaded, as plan.raw's
+        does (_raw_output's key loop, the tiles going to shared memory by async copies): where both
+        are an input's tile times per-token numbers (plan.raw_query and plan.raw_key). Their norms
+        are summed from the same tiles, and the numbers (1/||q||, the scale, beta/||k||) scale the
+        products' rows and P's columns. It normalised both tiles in fp32 registers and stored them
+        again for tl.dot (ptxas, sm_90a, gated_deltanet K = V = 128: 193 registers at BV 128)."""
+        return self.raw_key is not None and self.raw_query is not None
+
+    @property
     def raw_write_factor(self) -> bool:
         """plan.raw's write key or value carries a per-token factor."""
         return any(r.factor != "1.0" for r in self.raw[:2])
