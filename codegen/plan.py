@@ -256,6 +256,16 @@ class Plan:
         return self.raw_key is not None and self.raw_query is not None
 
     @property
+    def output_dirty_branch(self) -> bool:
+        """The output stage takes the chunks flagged dirty (common.jinja's _flag_dirty_chunks) in its
+        one launch, a branch on each chunk's flag choosing the causal product (_dirty_dot), instead
+        of a second launch (CAUSAL) over the flags whose programs nearly all return at once: with
+        plan.raw_qk_output (and plan.causal_nonfinite). ptxas, sm_90a, gated_deltanet K = V = 128,
+        three stages: BV 128 255 registers, no spills, 96 KB, two programs per SM as without the
+        branch (228); BV 64 172 registers, two per SM (three without: 140)."""
+        return self.raw_qk_output and self.causal_nonfinite
+
+    @property
     def raw_write_factor(self) -> bool:
         """plan.raw's write key or value carries a per-token factor."""
         return any(r.factor != "1.0" for r in self.raw[:2])
