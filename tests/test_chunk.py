@@ -333,3 +333,19 @@ def test_output_factors_stored_by_the_wy_stage(name, compiled):
     assert fo[..., 0].isnan().sum() == 2 and fo[0, 50, 2:, 0].isnan().all()  # token 50, key head 1
     ok = ~key.isnan()
     assert torch.allclose(fo[..., 0][ok], key[ok], rtol=1e-5) and torch.allclose(fo[..., 1], scale * inv(x["q"]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "deltanet"])
+def test_output_stage_key_loop_of_two_steps(name, compiled):
+    """plan.raw_qk_output's key loop (plan.raw_output_bk channels a step) over K = 128: two steps,
+    whose products (and, where the loop makes it, ||q||^2) add up; the other tests' K is one step."""
+    from lrdsl.codegen.plan import plan
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    assert plan(mixer.ir).raw_qk_output and 128 // plan(mixer.ir).raw_output_bk == 2
+    case = Case(B=1, T=70, H=1, HV=2, K=128, V=16, cu_seqlens=(0, 23, 70), initial_state=True, seed=17)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    with torch.no_grad():
+        o, s = mixer.chunk(**x, **opts)
+    ref_o, ref_s = reference(mixer, x, opts)
+    e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
+    assert e_o < TOL and e_s < TOL, f"{name}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
