@@ -250,26 +250,24 @@ class Plan:
         """The output stage of an erase gives tl.dot the query and key tiles as loaded, as plan.raw's
         does (_raw_output's key loop, the tiles going to shared memory by async copies): where both
         are an input's tile times per-token numbers (plan.raw_query and plan.raw_key). The numbers
-        (1/||q|| and the scale, beta/||k||) scale the products' rows and P's columns, loaded from
-        what the WY stage stored (plan.output_factors), so that tl.dot alone reads the loop's tiles:
-        norms summed there from the same tiles (a register read of the ring slots beside the async
-        wgmma) made Triton 3.6 give q and k two shared-memory slots for three stages, the next copy
-        overwriting the slot a pending wgmma read (wrong on the H200, session 15); loads of their
-        own before the loop read q and k twice (145 us against 140). It normalised both tiles in
-        fp32 registers and stored them again for tl.dot (ptxas, sm_90a, gated_deltanet K = V = 128:
-        193 registers at BV 128)."""
+        (1/||q|| and the scale, beta/||k||) scale the products' rows and P's columns: beta/||k||
+        as the WY stage stored it (plan.output_factors); ||q||^2 the diagonal of a third product
+        in the loop, q q^T, whose operands are the loop's own q tile, so that tl.dot alone reads
+        the loop's tiles. Norms summed there by registers (a register read of the ring slots
+        beside the async wgmma) made Triton 3.6 give q and k two shared-memory slots for three
+        stages, the next copy overwriting the slot a pending wgmma read (wrong on the H200, session
+        15); loads of their own before the loop read q and k twice (145 us against 140). It
+        normalised both tiles in fp32 registers and stored them again for tl.dot (ptxas, sm_90a,
+        gated_deltanet K = V = 128: 193 registers at BV 128)."""
         return self.raw_key is not None and self.raw_query is not None
 
     @property
     def output_factors(self) -> tuple:
-        """The per-token numbers (fp32, [B, T, HV, n]) that the WY stage (staged_solve_wy_kernel, or
-        staged_wy_kernel) stores for the output stage with plan.raw_qk_output, which scales its
-        products' rows and P's columns with them: the write key's number with its normaliser
-        (beta/||k||, before the decay: "key") and the query's with its normaliser and the scale
-        (scale/||q||: "query"). The WY stage loads the key tile anyway; the query tile it loads for
-        this alone, once per chunk and head where the output stage would load it again per value
-        tile. () without plan.raw_qk_output."""
-        return ("key", "query") if self.raw_qk_output else ()
+        """The per-token numbers (fp32, [B, T, HV] each) that the WY stage (staged_solve_wy_kernel,
+        or staged_wy_kernel) stores for the output stage with plan.raw_qk_output, which scales P's
+        columns with them: the write key's number with its normaliser (beta/||k||, before the
+        decay: "key"), made there anyway. () without plan.raw_qk_output."""
+        return ("key",) if self.raw_qk_output else ()
 
     @property
     def output_dirty_branch(self) -> bool:
