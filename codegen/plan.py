@@ -6,6 +6,7 @@ feature flags and the tile sizes. Features that are off leave no trace in the re
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 import sympy as sp
@@ -208,6 +209,30 @@ class Plan:
                 and not ch.v_loop and self.delta and self.decay_kind != "diagonal" and not self.stored_lets)
 
     @property
+    def chain_at_dr(self) -> Load | None:
+        """With plan.chain_in_dk, the key-channel input whose gradient is r's alone times a number
+        (gated_deltanet's q: r = q * scale, through q's L2 norm), read by no other input's: staged_dk
+        makes it where it makes r's gradient (_chain_at_dr: the input's tile loaded again, its norm
+        from it), so r's gradient is neither stored nor read back and _chain_tokens does not load
+        that input. A per-value-head store as before (the host sums an input shared by grouped value
+        heads). Else None."""
+        ch = self.chain
+        if not self.chain_in_dk:
+            return None
+        for l, g in zip(self.loads, ch.grads):
+            if l.kind == "K" and len(g.k_terms) == 1 and g.k_terms[0][0] == "r" and _is_number(g.k_terms[0][1]):
+                break
+        else:
+            return None
+        others = [t for m, h in zip(self.loads, ch.grads) if m is not l
+                  for t in (*(t for _, t in h.k_terms), *(t for _, t in h.v_terms), h.g_term)]
+        reads = [t for _, t in ch.k_temps] + others + [ch.log_decay]
+        if (g.g_term or g.v_terms or any(v == "r" for m, h in zip(self.loads, ch.grads) if m is not l for v, _ in h.k_terms)
+                or any(re.search(rf"\b{l.var}\b", t) for t in reads)):
+            return None
+        return l
+
+    @property
     def value_tile(self) -> str:
         """The helper that makes the backward's write-value tiles (their only use there: a product's
         operand): _raw_v where the value is an input's tile as stored (plan.raw_value without a
@@ -277,6 +302,14 @@ class Plan:
 
     def key(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _bounds(i: ir.Input) -> tuple:
