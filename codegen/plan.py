@@ -6,6 +6,7 @@ feature flags and the tile sizes. Features that are off leave no trace in the re
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 import sympy as sp
@@ -208,6 +209,35 @@ class Plan:
                 and not ch.v_loop and self.delta and self.decay_kind != "diagonal" and not self.stored_lets)
 
     @property
+    def chain_at_dr(self) -> Load | None:
+        """With plan.chain_in_dk, the key-channel input whose gradient is r's alone times a number
+        (gated_deltanet's q: r = q * scale, through q's L2 norm), where no other input's gradient
+        reads r's or that input: staged_dk makes it where it makes r's gradient (_chain_at_dr: the
+        input's tile loaded again, its norm from it), so r's gradient is neither stored nor read
+        back (nor rounded to the vector gradients' dtype on the way) and _chain_tokens does not load
+        that input. Stored per value head as before (the host sums an input shared by grouped value
+        heads). Else None. ptxas (sm_90a, gated_deltanet K = V = 128): staged_dk 255 -> 244
+        registers, no spills either way; deltanet's one launch spills 16 / 24 B instead of 24 / 32."""
+        ch = self.chain
+        if not self.chain_in_dk:
+            return None
+        pairs = list(zip(self.loads, ch.grads))
+        for l, g in pairs:
+            if (l.kind == "K" and len(g.k_terms) == 1 and g.k_terms[0][0] == "r" and _is_number(g.k_terms[0][1])
+                    and not g.g_term and not g.v_terms):
+                break
+        else:
+            return None
+        others = [h for m, h in pairs if m is not l]
+        if any(v == "r" for h in others for v, _ in h.k_terms):
+            return None
+        texts = [t for _, t in ch.k_temps] + [ch.log_decay] + [h.g_term for h in others]
+        texts += [t for h in others for _, t in (*h.k_terms, *h.v_terms)]
+        if any(re.search(rf"\b{l.var}\b", t) for t in texts):  # _chain_tokens would still load it
+            return None
+        return l
+
+    @property
     def value_tile(self) -> str:
         """The helper that makes the backward's write-value tiles (their only use there: a product's
         operand): _raw_v where the value is an input's tile as stored (plan.raw_value without a
@@ -311,6 +341,14 @@ class Plan:
 
     def key(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _bounds(i: ir.Input) -> tuple:

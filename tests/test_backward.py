@@ -479,8 +479,31 @@ def test_staged_dk_takes_the_chain_rule_of_scalar_decay_delta_rules():
         assert "staged_chain_kernel" not in text, stem
         dk = text[text.index("def staged_dk_kernel("):text.index("def staged_bwd(")]
         assert "    _chain_tokens(" in dk and "tl.store(du_ptr" not in dk, stem
+        # q's gradient where r's is made (plan.chain_at_dr): r's neither stored nor read back
+        assert "    _chain_at_dr(in_q, b_dr, d_q_ptr," in dk and "dr_ptr" not in text[text.index("def staged_dk_kernel("):], stem
     assert "def staged_chain_kernel(" in source(lrdsl.compile(ROOT / "examples" / "kda.lr", load_kernels=False))
     assert "def staged_chain_kernel(" in source(lrdsl.compile(text=CHAINED, load_kernels=False))
+
+
+# GATED_QUERY's query is q times a gate of a: q's chain rule term is not a number and a's reads r's
+# gradient too, so staged_dk keeps storing r's gradient for _chain_tokens (plan.chain_at_dr off)
+GATED_QUERY = """mixer gated_query
+input q[K] l2norm, k[K] l2norm, v[V], a, b in [0, 1]
+let qa = sigmoid(a) * q
+S = (I - b k k^T) exp(-softplus(a)) S + b k v^T
+o = S^T qa
+"""
+
+
+def test_chain_at_dr_only_where_q_alone_reads_r():
+    """plan.chain_at_dr: the four examples whose staged_dk ends in the chain rule make q's gradient
+    where r's is made; a query gated by another input keeps r's gradient in memory."""
+    from lrdsl.codegen.plan import plan
+    at = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir).chain_at_dr for p in EXAMPLES}
+    assert {s: l.name for s, l in at.items() if l} == {s: "q" for s in (
+        "deltanet", "gated_deltanet", "gated_deltanet_gates", "gated_deltanet_negeig")}, at
+    gated = plan(lrdsl.compile(text=GATED_QUERY, load_kernels=False).ir)
+    assert gated.chain_in_dk and gated.chain_at_dr is None
 
 
 @pytest.mark.parametrize("case_id", default_first(list(CASES), DEFAULT_CASE))
