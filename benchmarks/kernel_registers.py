@@ -36,12 +36,27 @@ def rings(ttgir: str) -> str:
     found = [(n, t) for n, t in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x([0-9x]*[a-z]+\d*)", ttgir)
              if int(n) > 1]  # one slot: a buffer, not a ring
     if not found:
-        return ""
+        return single_slot_wgmma(ttgir)
     count = {}
     for slots, tile in found:
         count[f"{slots}x{tile}"] = count.get(f"{slots}x{tile}", 0) + 1
     mixed = len({slots for slots, _ in found}) > 1
-    return " rings=" + ",".join(f"{r}*{n}" for r, n in sorted(count.items())) + (" (!)" if mixed else "")
+    return (" rings=" + ",".join(f"{r}*{n}" for r, n in sorted(count.items())) + (" (!)" if mixed else "")
+            + single_slot_wgmma(ttgir))
+
+
+def single_slot_wgmma(ttgir: str) -> str:
+    """" (1-slot wgmma!)" where an asynchronous wgmma reads a one-slot buffer of async copies. Found
+    in session 16 (staged_dk): S0 and dS also feeding a register sum got one slot each, and the next
+    tile's copy into it was issued while the wgmma reading it was still pending."""
+    derived = set(re.findall(r"(%[\w.]+) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<1x", ttgir))
+    for dst, src in re.findall(r"(%[\w.]+) = ttg\.memdesc_(?:index|trans|subslice|reinterpret) (%[\w.]+)", ttgir):
+        if src in derived:
+            derived.add(dst)
+    for a, b in re.findall(r"= ttng\.warp_group_dot (%[\w.]+), (%[\w.]+), [^\n]*isAsync = true", ttgir):
+        if a in derived or b in derived:
+            return " (1-slot wgmma!)"
+    return ""
 
 
 def fake_run(self, *args, grid, warmup, **kwargs):
