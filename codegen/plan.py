@@ -286,9 +286,10 @@ class Plan:
         the loop's tiles. Norms summed there by registers (a register read of the ring slots
         beside the async wgmma) made Triton 3.6 give q and k two shared-memory slots for three
         stages, the next copy overwriting the slot a pending wgmma read (wrong on the H200, session
-        15); loads of their own before the loop read q and k twice (145 us against 140). It
-        normalised both tiles in fp32 registers and stored them again for tl.dot (ptxas, sm_90a,
-        gated_deltanet K = V = 128: 193 registers at BV 128)."""
+        15); loads of their own before the loop read q and k twice (145 us against 140); 1/||q||
+        stored by the solve stage too cost it a q load (+21 us). Before, the stage normalised both
+        tiles in fp32 registers and stored them again for tl.dot. H200, gated_deltanet B=4 T=4096
+        H=16 K=V=128: 139 us in two launches -> 117 in one (session 16)."""
         return self.raw_key is not None and self.raw_query is not None
 
     @property
