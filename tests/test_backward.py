@@ -621,6 +621,36 @@ def test_state_passes_split_over_key_channels(stem, compiled):
     assert not failures, f"{stem}: {describe(errors)}"
 
 
+# gla (the staged_dk of a decay per key channel) in pytest -q; mamba2 (a scalar decay), kda (with an
+# erase) and gated_deltanet (a scalar decay with an erase: BV < 64, no trace) under -m slow. No CPU
+# test but this one runs staged_dk over more than one value tile
+@pytest.mark.parametrize("stem", [pytest.param("mamba2", marks=pytest.mark.slow), "gla",
+                                  pytest.param("kda", marks=pytest.mark.slow),
+                                  pytest.param("gated_deltanet", marks=pytest.mark.slow)])
+def test_staged_dk_over_several_value_tiles(stem, compiled, monkeypatch):
+    """staged_dk's value loop over three tiles of 16 values, the last one partial (forced: the
+    interpreter takes the space's first config): the end state's decay gradient <S0, dS> is
+    summed over them (mamba2 and gated_deltanet: from the tiles loaded a second time, BV < V; with
+    an erase, BV < 64; gla and kda: chunk_staged_bwd_diag.py.jinja's register sum).
+    Sequences of 5, 65 (a second chunk of one token, whose S0 decays little) and 10 tokens,
+    against the float64 reference."""
+    import triton
+    mixer = compiled(ROOT / "examples" / f"{stem}.lr")
+    tuner = mixer.kernels.staged_dk
+    saved = tuner.configs
+    tuner.configs = [triton.Config({"BV": 16}, num_warps=8, num_stages=1)]
+    tuner.cache.clear()
+    launches = count_launches(monkeypatch, mixer.kernels, "staged_dk")
+    try:
+        case = Case(B=1, T=80, H=1, HV=2, K=20, V=40, cu_seqlens=(0, 5, 70, 80), initial_state=True, seed=41)
+        errors, failures = compare(mixer, case, output_final_state=True, seed=42)
+    finally:
+        tuner.configs = saved
+        tuner.cache.clear()
+    assert launches, "the staged backward did not run"
+    assert not failures, f"{stem}: {describe(errors)}"
+
+
 CLAMPED_V = """mixer clamped_v
 input q[K] l2norm, k[K] l2norm, v[V] in [-1, 1], g log, beta in (0, 1)
 S = (I - beta k k^T) exp(g) S + beta k v^T
