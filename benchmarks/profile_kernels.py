@@ -1,7 +1,10 @@
 """Per-kernel GPU time of one forward (and with --backward, forward + backward) of each spec.
 
 Usage (device machine): python benchmarks/profile_kernels.py SPEC [SPEC ...] [--backward] [--shape B,T,H,K,V] [--fla]
-Shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise, bf16. Prints torch.profiler's table per
+       [--set NAME=INT ...]
+Shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise, bf16. --set sets a module-level
+constant of each spec's generated module before the first call (a host-side switch such as
+FUSED_OUTPUT=0, to time two paths in one run). Prints torch.profiler's table per
 spec; with --fla also the table of its FLA twin on the same inputs (q, k normalised outside the call
 where FLA can take them so, as `lrdsl bench` times its faster variant).
 """
@@ -43,11 +46,21 @@ if "--shape" in args:
     i = args.index("--shape")
     shape = parse_shape(args[i + 1])
     del args[i:i + 2]
+sets = []
+while "--set" in args:
+    i = args.index("--set")
+    name, _, value = args[i + 1].partition("=")
+    sets.append((name, int(value)))
+    del args[i:i + 2]
 specs = [a for a in args if not a.startswith("--")]
 if not specs:  # the usage, not silence
     sys.exit(__doc__.strip())
 for path in specs:
     m = lrdsl.compile(path)
+    for name, value in sets:
+        if not hasattr(m.kernels, name):
+            sys.exit(f"--set {name}: {path}'s generated module has no such constant")
+        setattr(m.kernels, name, value)
     x = draw(m, shape)
     table(m.name, lambda x: m.chunk(**x)[0], dict(x), backward)
     tw = twin(m) if with_fla else None
