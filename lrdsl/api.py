@@ -193,6 +193,13 @@ class Mixer:
 
         cp_group (a torch.distributed process group): context parallelism. Each rank passes its
         contiguous slice of the tokens and the global initial_state and cu_seqlens; see lrdsl/cp.py."""
+        if _bf16_on_cpu(q, k, v, initial_state, *inputs.values()):
+            # Triton's interpreter computes tl.dot on bf16 operands wrongly and silently
+            # (triton#11584), so on the CPU the kernels run on fp32 copies; o comes back in v's dtype
+            o, final = self.chunk(*map(_fp32_if_bf16, (q, k, v)), scale, _fp32_if_bf16(initial_state),
+                                  output_final_state, cu_seqlens, cp_group,
+                                  **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
+            return o.to(v.dtype), final
         if cp_group is not None:
             from . import cp
             return cp.chunk(self, q, k, v, scale, initial_state, output_final_state, cu_seqlens, inputs,
@@ -248,6 +255,18 @@ class Mixer:
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                reference=True)
         return scan(self.ir, batch)
+
+
+def _bf16_on_cpu(q, *tensors) -> bool:
+    """q is on the CPU (kernels in Triton's interpreter) and some input is a bf16 tensor."""
+    import torch
+    return (isinstance(q, torch.Tensor) and q.device.type == "cpu"
+            and any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (q, *tensors)))
+
+
+def _fp32_if_bf16(t):
+    import torch
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
 
 
 def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None = None,

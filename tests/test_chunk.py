@@ -106,6 +106,25 @@ def test_fp16_inputs(compiled):
     assert rms_ratio(o, ref_o) < 2e-3 and rms_ratio(s, ref_s) < 1e-4
 
 
+def test_bf16_inputs_on_the_cpu(compiled):
+    # Triton's interpreter gets tl.dot on bf16 operands wrong (triton#11584): chunk runs the CPU's
+    # kernels on fp32 copies, so bf16 callers get bf16 results and gradients, not garbage
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == "gated_deltanet"))
+    x, opts = draw_inputs(mixer, Case(B=1, T=70, H=2, HV=2, K=32, V=16, seed=9), "cpu")
+    xb = {n: t.bfloat16().requires_grad_() for n, t in x.items()}
+    o, s = mixer.chunk(**xb, **opts)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    xf = {n: t.detach().float().requires_grad_() for n, t in xb.items()}
+    ref_o, ref_s = reference(mixer, {n: t.detach() for n, t in xf.items()}, opts)
+    assert rms_ratio(o, ref_o) < 1e-2 and rms_ratio(s, ref_s) < 1e-4
+    do = torch.randn_like(ref_o)
+    o.float().backward(do)
+    mixer.chunk(**xf, **opts)[0].backward(do)
+    for n, t in xb.items():
+        assert t.grad.dtype == torch.bfloat16, n
+        assert rms_ratio(t.grad, xf[n].grad) < 1e-2, n
+
+
 @pytest.mark.parametrize("name", ["gated_deltanet", "precond_deltanet"])
 def test_decode_step_updates_the_state_in_place(name, compiled):
     mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
