@@ -494,6 +494,10 @@ def _floored(m: ir.Mixer) -> str:
     return text
 
 
+SPLIT_NOTE = ("; without auxiliary states, Mixer.chunk runs the staged kernels of its split spec instead"
+              " (two tokens per token, lrdsl/split.py) where K <= the staged limit")
+
+
 def _not_staged(m: ir.Mixer) -> str:
     """Why the staged forward does not cover this spec ("" when it does).
 
@@ -501,9 +505,9 @@ def _not_staged(m: ir.Mixer) -> str:
     direction is the write key, as in every delta-rule model), (I - a c^T) D S + a z^T
     = D S + a (z - c^T D S)^T, so one pairwise matrix and one solve give the corrected values."""
     if m.delta is not None and m.delta.order == "right":
-        return "a decay after the erase takes the general kernels"
+        return "a decay after the erase takes the general kernels" + SPLIT_NOTE
     if m.delta is not None and simplified(m.delta.a - m.write.key) != 0:
-        return "the erase direction differs from the write key"
+        return "the erase direction differs from the write key" + SPLIT_NOTE
     if any(i.l2norm and i.kind == "V" for i in m.inputs):
         return "an L2 norm over the value channels needs whole rows"
     return ""

@@ -24,6 +24,7 @@ class Mixer:
         self.check_ranges = check_ranges
         self._kernels = None
         self._op = None
+        self._split = None
         self.source = source
         self.filename = filename
 
@@ -208,11 +209,36 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from . import offline
             return offline.chunk(self, batch)
+        if self.split is not None and batch.K <= self.split.kernels.STAGED_MAX_K:
+            return self._chunk_split(batch)
         tensors = [batch.tensors[n] for n in self.ir.tensor_names]
         from .autograd import eager
         if batch.initial_aux is not None or self.keep_intermediates or eager(tensors):
             return self._chunk_eager(batch, tensors)
         return self._chunk_tensors(batch, tensors)
+
+    @property
+    def split(self):
+        """The mixer whose staged kernels chunk runs on two tokens per token (lrdsl/split.py), or
+        None: this spec's erase is along its write key already, or the split has no staged kernels."""
+        if self._split is None:
+            from .split import split_ir
+            s = split_ir(self.ir)
+            self._split = False if s is None else Mixer(s, keep_intermediates=self.keep_intermediates,
+                                                        check_ranges=False)
+            if s is not None:
+                self._split._split = False  # its erase is along its write key: staged kernels
+        return self._split or None
+
+    def _chunk_split(self, batch):
+        from .split import interleave, phases
+        params = {p.name for p in self.ir.params}
+        t = {n: x if n in params else interleave(x) for n, x in batch.tensors.items()}
+        q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+        t[self.split.ir.inputs[-1].name] = phases(batch.B, batch.T, batch.H, q)
+        cu = None if batch.cu_seqlens is None else 2 * batch.cu_seqlens
+        o, final = self.split.chunk(q, k, v, batch.scale, batch.initial_state, batch.output_final_state, cu, **t)
+        return o[:, 1::2].contiguous(), final
 
     def _final(self, batch, S, aux):
         """What chunk returns as the final state: None, S, or the whole state."""
@@ -312,6 +338,8 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
         import importlib.util
         if importlib.util.find_spec("triton") is not None and m.solve_lam is None:
             mixer.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
+            if mixer.split is not None:  # and the split spec's, which chunk runs where it can
+                mixer.split.chunk_op  # noqa: B018
         elif importlib.util.find_spec("triton") is not None and m.decay.kind != "diagonal":
             mixer.chunk_op  # noqa: B018 (the offline solve's module and op: generated, cached, registered)
     return mixer

@@ -71,6 +71,26 @@ class silu(_Elementwise):
         return x * _sigmoid(x)
 
 
+class gate(sp.Function):
+    """gate(p, x): x where p > 0, else 0 (x not read there, so -inf or nan in x gives 0). The split
+    spec (lrdsl/split.py) switches the decay off in one phase with it: p * log(d) would be nan
+    where log(d) is -inf, a reset. Not in the spec language."""
+    nargs = 2
+
+    @classmethod
+    def eval(cls, p, x):
+        if p.is_number:
+            return x if p > 0 else sp.Integer(0)
+        if x == 0:
+            return sp.Integer(0)
+
+    def fdiff(self, argindex=1):
+        return sp.Integer(0) if argindex == 1 else gate(self.args[0], sp.Integer(1))
+
+    def _eval_is_extended_real(self):
+        return self.args[1].is_extended_real
+
+
 # ---- range rules: intervals of the arguments -> an interval enclosing the values ---------------
 def monotone(f, lo_limit=None, hi_limit=None):
     """The rule of a non-decreasing function of one argument (f at the ends, its limits at +-inf)."""
@@ -217,6 +237,11 @@ TABLE = (
     Primitive("", 2, sp.Heaviside, sp.Heaviside, _heaviside_rule,
               lambda x, h0=0.5: _torch().heaviside(_T(x), _T(h0, dtype=_T(x).dtype)),
               lambda x, h0="0.5": f"tl.where({x} > 0, 1.0, tl.where({x} < 0, 0.0, {h0}))"),
+    # the split spec's phase gate (lrdsl/split.py)
+    Primitive("", 2, gate, gate, lambda p, x: (min(x[0], 0.0), max(x[1], 0.0)),
+              lambda p, x: _torch().where(_T(p) > 0, _T(x), _T(0.0, dtype=_T(x).dtype)),
+              lambda p, x: f"tl.where({p} > 0, {x}, 0.0)", printed=lambda p, x: f"gate({p}, {x})",
+              numpy=lambda p, x: _np().where(p > 0, x, 0.0)),
 )
 
 

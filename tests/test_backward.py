@@ -260,10 +260,12 @@ def test_keep_intermediates_gives_the_same_gradients(stem, compiled):
 
 
 # ---- torch.compile ---------------------------------------------------------------------------
-def test_torch_compile_fullgraph_matches_eager(compiled):
+# precond_kda: a decay per key channel, shared inputs, an auxiliary state; kda_decay_after_erase: split
+@pytest.mark.parametrize("name", ["precond_kda", "kda_decay_after_erase"])
+def test_torch_compile_fullgraph_matches_eager(name, compiled):
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    mixer = compiled(ROOT / "examples" / "precond_kda.lr")  # per-channel decay, shared inputs, aux state
+    mixer = compiled(ROOT / "examples" / f"{name}.lr")
     case = Case(B=1, T=23, H=1, HV=2, K=16, V=16, initial_state=True, seed=31)
     x, opts = draw_inputs(mixer, case, DEVICE)
     h0 = opts.pop("initial_state")
@@ -273,7 +275,9 @@ def test_torch_compile_fullgraph_matches_eager(compiled):
 
     def f(h0, *xs):
         o, S = mixer.chunk(**dict(zip(names, xs)), initial_state=h0, output_final_state=True, scale=0.5)
-        return (o * do).sum() + (S.S * dS).sum() + 0 * sum(t.sum() for t in S.aux.values())  # the whole state
+        if isinstance(S, lrdsl.MixerState):  # the whole state
+            return (o * do).sum() + (S.S * dS).sum() + 0 * sum(t.sum() for t in S.aux.values())
+        return (o * do).sum() + (S * dS).sum()
 
     def run(fn):
         leaves = [h0.clone().requires_grad_(), *(x[n].clone().requires_grad_() for n in names)]

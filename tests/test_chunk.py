@@ -18,7 +18,7 @@ from lrdsl.fuzz import TOL, Case, check_case, draw_inputs, rms_ratio
 
 import pytest
 from specgen import axis_specs, default_first, example_params
-from test_recurrent import CASES, DEVICE, EXAMPLES, PoisonTorch, small_cases, state_parts
+from test_recurrent import CASES, DEVICE, EXAMPLES, PoisonTorch, chunk_modules, small_cases, state_parts
 
 
 def reference(mixer, x, opts):
@@ -32,7 +32,8 @@ def reference(mixer, x, opts):
 def test_example_chunk_matches_reference(spec, case_id, compiled, monkeypatch):
     mixer = compiled(spec)
     poison = PoisonTorch()
-    monkeypatch.setattr(mixer.kernels, "torch", poison)  # o, the state and every buffer start as NaN
+    for module in chunk_modules(mixer):  # o, the state and every buffer start as NaN
+        monkeypatch.setattr(module, "torch", poison)
     x, opts = draw_inputs(mixer, CASES[case_id], DEVICE)
     with torch.no_grad():
         o, s = mixer.chunk(**x, **opts)

@@ -10,7 +10,7 @@ import torch
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
 from test_recurrent import DEVICE, EXAMPLES, state_parts
 
-MIXERS = ["gated_deltanet", "mamba2", "gla", "kda", "precond_deltanet"]
+MIXERS = ["gated_deltanet", "mamba2", "gla", "kda", "precond_deltanet", "kda_decay_after_erase"]
 
 
 # -inf (a hard reset) for every mixer and -1e8 for one scalar and one per-channel decay in pytest -q;

@@ -126,7 +126,7 @@ def test_backward_bf16(path):
 
 EDGE = [("deltanet", 256, 256, torch.bfloat16), ("gla", 256, 256, torch.bfloat16),
         ("precond_kda", 100, 100, torch.float16), ("gdn2", 64, 200, torch.float32),
-        ("gated_deltanet", 128, 128, torch.float32)]
+        ("gated_deltanet", 128, 128, torch.float32), ("kda_decay_after_erase", 128, 64, torch.bfloat16)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
@@ -158,10 +158,12 @@ def test_edge_sizes(name, K, V, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
-def test_novel_spec_written_for_the_tests_gpu():
-    """tests/specs/novel_test_only.lr (not in examples/): bf16, chunk forward and backward and
-    recurrent forward against the float64 reference, same limits as the examples."""
-    path = os.path.join(os.path.dirname(__file__), "specs", "novel_test_only.lr")
+@pytest.mark.parametrize("name", ["novel_test_only", "erase_other", "right_scalar"])
+def test_novel_spec_written_for_the_tests_gpu(name):
+    """tests/specs/<name>.lr (not in examples/; all three run split, lrdsl/split.py): bf16, chunk
+    forward and backward and recurrent forward against the float64 reference, same limits as the
+    examples."""
+    path = os.path.join(os.path.dirname(__file__), "specs", f"{name}.lr")
     B, T, H, K, V = 2, 2048, 4, 128, 128
     mixer = lrdsl.compile(path)
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -177,7 +179,7 @@ def test_novel_spec_written_for_the_tests_gpu():
         o2, _ = mixer.recurrent(**x)
     errs = {"o": rms_ratio(o, ref_o), "o rec": rms_ratio(o2, ref_o),
             **{"d" + n: rms_ratio(leaves[n].grad, ref_leaves[n].grad) for n in x}}
-    RESULTS.append(("novel_test_only", "all", errs["o"], max(errs.values())))
+    RESULTS.append((name, "all", errs["o"], max(errs.values())))
     for n, e in errs.items():
         assert e < (5e-3 if n.startswith("o") else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL), (n, e)
 

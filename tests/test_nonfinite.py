@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import lrdsl
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
 from specgen import axis_specs
-from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, state_parts
+from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules, state_parts
 
 OFFLINE = EXAMPLES[0].parent / "mesa.lr"  # the offline solve's own kernels
 MIXERS = {  # name: (spec, compile options); "-general": the general kernels (keep_intermediates)
@@ -90,7 +90,8 @@ def check_causal(mixer, x, opts, first_bad, monkeypatch, label):
     """chunk's o and final state against the float64 reference: the same finite / non-finite
     pattern, rms ratio < TOL over the finite entries, and every token before first_bad finite."""
     poison = FinitePoison()
-    monkeypatch.setattr(mixer.kernels, "torch", poison)
+    for module in chunk_modules(mixer):
+        monkeypatch.setattr(module, "torch", poison)
     with torch.no_grad():
         o, s = mixer.chunk(**x, **opts)
     assert poison.poisoned >= 2

@@ -37,6 +37,11 @@ def state_parts(state) -> dict:
     return {"S": state}
 
 
+def chunk_modules(mixer) -> list:
+    """The generated modules chunk may launch: the mixer's own, and its split mixer's (lrdsl/split.py)."""
+    return [mixer.kernels] + ([mixer.split.kernels] if mixer.split is not None else [])
+
+
 class PoisonTorch:
     """Stands in for `torch` inside a generated module: every tensor it allocates with empty /
     empty_like starts as NaN, so an element the kernel never writes shows up as NaN."""

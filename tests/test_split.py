@@ -1,0 +1,87 @@
+"""The split (lrdsl/split.py): a transition whose erase is not along the write key, run as one whose
+erase is, on two tokens per token. Its reference on the interleaved tokens is the original's (float64,
+resets and nan included); chunk through it matches the original's reference forward and backward;
+the general kernels still serve where the split does not (wide keys, context parallelism)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import lrdsl
+from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+from lrdsl.split import interleave, phases, split_ir
+from test_backward import compare
+from test_recurrent import DEVICE, EXAMPLES
+
+SPECS = Path(__file__).resolve().parent / "specs"  # erase_other.lr, right_scalar.lr: a != u
+OTHER_DIRECTION = (SPECS / "erase_other.lr").read_text()
+
+
+def _mixer(name):
+    if name in ("erase_other", "right_scalar"):
+        return lrdsl.compile(SPECS / f"{name}.lr")
+    return lrdsl.compile(next(p for p in EXAMPLES if p.stem == name))
+
+
+def test_only_specs_without_staged_kernels_split():
+    split = {p.stem for p in EXAMPLES if split_ir(lrdsl.compile(p, load_kernels=False).ir) is not None}
+    assert split == {"kda_decay_after_erase"}
+    m = lrdsl.compile(text=OTHER_DIRECTION, load_kernels=False).ir
+    s = split_ir(m)
+    assert s is not None and s.delta.order == "left" and s.delta.a == s.write.key
+    assert [i.name for i in s.inputs] == [*(i.name for i in m.inputs), "phase"]
+
+
+def test_the_phase_input_takes_a_free_name():
+    text = OTHER_DIRECTION.replace("beta in (0, 1)", "beta in (0, 1), phase in (0, 1)").replace(
+        "+ k v^T", "+ k (phase*v)^T")
+    s = split_ir(lrdsl.compile(text=text, load_kernels=False).ir)
+    assert s.inputs[-1].name == "phase_1" and "phase" in [i.name for i in s.inputs[:-1]]
+
+
+@pytest.mark.parametrize("name", ["kda_decay_after_erase", "erase_other", "right_scalar"])
+@pytest.mark.parametrize("spoil", [None, -float("inf"), float("nan")])
+def test_split_reference_is_the_original(name, spoil):
+    """float64: the split's states after each second token are the original's (a reset, -inf in
+    the log-decay, stays a reset; nan stays nan from its token on)."""
+    mixer = _mixer(name)
+    case = Case(B=2, T=41, H=2, HV=2, K=8, V=6, initial_state=True, seed=3)
+    x, opts = draw_inputs(mixer, case, "cpu")
+    x = {n: t.double() for n, t in x.items()}
+    if spoil is not None:
+        x["g"][0, 17] = spoil
+    h0 = opts["initial_state"].double()
+    o, s = mixer.reference(**x, initial_state=h0, output_final_state=True)
+    twice = {n: interleave(t) for n, t in x.items()}
+    p = phases(case.B, case.T, case.H, x["q"])
+    o2, s2 = mixer.split.reference(**twice, phase=p, initial_state=h0, output_final_state=True)
+    assert torch.equal(o.isnan(), o2[:, 1::2].isnan()) and torch.equal(s.isnan(), s2.isnan())
+    fin = ~o.isnan()
+    assert (o2[:, 1::2][fin] - o[fin]).abs().max() < 1e-12
+    if spoil is None or spoil < 0:
+        assert (s2 - s).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("name", ["erase_other", "right_scalar"])
+def test_split_chunk_gradients_match_the_reference(name):
+    mixer = _mixer(name)
+    assert mixer.split is not None and hasattr(mixer.split.kernels, "staged_fwd")
+    errors, failures = compare(mixer, Case(B=1, T=70, H=1, HV=2, K=16, V=8, initial_state=True, seed=4))
+    assert not failures, errors
+
+
+def test_the_general_kernels_still_serve_the_original():
+    """K above the staged kernels' limit, context parallelism: the original module's kernels."""
+    mixer = _mixer("kda_decay_after_erase")
+    assert not hasattr(mixer.kernels, "staged_fwd")
+    x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=8, initial_state=True, seed=5), DEVICE)
+    with torch.no_grad():
+        split_o, _ = mixer.chunk(**x, **opts)
+        mixer._split = False  # what a call with K > STAGED_MAX_K takes
+        o, s = mixer.chunk(**x, **opts)
+    h0 = opts["initial_state"]
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()},
+                                   **dict(opts, initial_state=h0.double()))
+    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL and rms_ratio(split_o, ref_o) < TOL
