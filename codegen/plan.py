@@ -150,9 +150,11 @@ class Plan:
     # is one number per head and token, else "" (see aux_chunked)
     aux_log_decay: tuple = ()
     # aux_chunked states' fix-up (chunk_aux_kernel, FIX=True): 0 the pair scan, 1 one tl.dot of the
-    # [BT, BT] decay matrix with the write tile in ieee fp32, 2 the same in tf32x3 (module constant
-    # AUX_DOT: benchmarks/profile_kernels.py --set AUX_DOT=0|1|2)
-    aux_dot: int = 1
+    # [BT, BT] decay matrix with the write tile in tf32x3 (module constant AUX_DOT, for
+    # benchmarks/profile_kernels.py --set AUX_DOT=1). ptxas (gdn2_atk, K=128, 4 warps): the scan
+    # 168 registers, tf32x3 255; in ieee fp32 (no tensor cores) it spilled 16 KB, so not offered.
+    # Both match the float64 reference alike on the CPU (tests/test_state.py)
+    aux_dot: int = 0
 
     @property
     def aux_chunked(self) -> tuple:

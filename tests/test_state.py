@@ -254,7 +254,7 @@ def test_offline_solve_under_torch_compile(name, compiled, monkeypatch):
         assert rms_ratio(gc, ge) < 1e-5, f"d{n}: compiled vs eager {rms_ratio(gc, ge):.3g}"
 
 
-@pytest.mark.parametrize("dot", [0, 1, 2], ids=["scan", "ieee", "tf32x3"])
+@pytest.mark.parametrize("dot", [0, 1], ids=["scan", "tf32x3"])
 def test_chunked_aux_pass_with_resets_and_a_whole_initial_state(dot, compiled, monkeypatch):
     """The aux pass's chunked form (codegen/plan.py's aux_chunked: a decay of one number per head
     and token), each fix-up (AUX_DOT), over several chunks of packed sequences from a whole state:
