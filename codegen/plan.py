@@ -146,6 +146,25 @@ class Plan:
     # (ptxas, precond_deltanet K=128: 255 registers at 4 warps, 128 at 8), yet 4 warps ran faster on
     # the H200: both launches 226 us against 308 at 8 (B=4 T=4096 H=16, ninth session)
     aux_warps: int = 4
+    # per auxiliary state, the Triton text of its floored log-decay (log alpha_t) where that decay
+    # is one number per head and token, else "" (see aux_chunked)
+    aux_log_decay: tuple = ()
+    # aux_chunked states' fix-up (chunk_aux_kernel, FIX=True): 0 the pair scan, 1 one tl.dot of the
+    # [BT, BT] decay matrix with the write tile in tf32x3 (module constant AUX_DOT, for
+    # benchmarks/profile_kernels.py --set AUX_DOT=1). ptxas (gdn2_atk, K=128, 4 warps): the scan
+    # 168 registers, tf32x3 255; in ieee fp32 (no tensor cores) it spilled 16 KB, so not offered.
+    # Both match the float64 reference alike on the CPU (tests/test_state.py)
+    aux_dot: int = 0
+
+    @property
+    def aux_chunked(self) -> tuple:
+        """Per auxiliary state: its decay alpha_t is one number per head and token, so the aux pass
+        takes the chunked form instead of the pair scan over a [BT, D] tile of (alpha, beta) pairs:
+        with G the cumulated log alpha of the chunk's rows, the chunk's map is a = exp(G_last),
+        b = sum_s exp(G_last - G_s) beta_s (a weighted sum of rows, no scan), and its states
+        P_t = exp(G_t) P_in + sum_{s<=t} exp(G_t - G_s) beta_s (one [BT, BT] x [BT, D] product, or the
+        scan: aux_dot). A decay per channel keeps the pair scan."""
+        return tuple(bool(t) for t in self.aux_log_decay)
 
     @property
     def dstate_split_k(self) -> bool:
@@ -404,6 +423,7 @@ def plan(m: ir.Mixer) -> Plan:
         stored_lets=tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m, aux_lets)),
         aux_lets=tuple(var(lt.name) for lt in aux_lets),
         staged_reads_aux=len(m.aux) > 1 or bool(_body_symbols(m) & {a.name for a in m.aux}),
+        aux_log_decay=tuple(_aux_log_decay(m, a) for a in m.aux),
     )
 
 
@@ -492,6 +512,18 @@ def _floored(m: ir.Mixer) -> str:
     if m.decay.kind in ("scalar", "diagonal"):
         return f"_floor_log({text})"
     return text
+
+
+def _aux_log_decay(m: ir.Mixer, a: ir.Aux) -> str:
+    """plan.aux_log_decay's entry for auxiliary state a: its log-decay floored as _floored floors
+    the main one (one token at -inf, a reset, would turn the chunk's cumulated sums' differences
+    into nan; nan stays nan), where every symbol of the decay is one number per head and token;
+    else ""."""
+    decay = m.inline_lets(a.decay)
+    kinds = m.kinds()
+    if any(kinds[s.name] != "scalar" for s in decay.free_symbols):
+        return ""
+    return f"_floor_log({code(sp.expand_log(sp.log(decay), force=True))})"
 
 
 SPLIT_NOTE = ("; without auxiliary states, Mixer.chunk runs the staged kernels of its split spec instead"

@@ -252,3 +252,27 @@ def test_offline_solve_under_torch_compile(name, compiled, monkeypatch):
     for n, gc, ge in zip(names + list(start), grads_c, grads_e):
         assert gc is not None and gc.shape == ge.shape, n
         assert rms_ratio(gc, ge) < 1e-5, f"d{n}: compiled vs eager {rms_ratio(gc, ge):.3g}"
+
+
+@pytest.mark.parametrize("dot", [0, 1], ids=["scan", "tf32x3"])
+def test_chunked_aux_pass_with_resets_and_a_whole_initial_state(dot, compiled, monkeypatch):
+    """The aux pass's chunked form (codegen/plan.py's aux_chunked: a decay of one number per head
+    and token), each fix-up (AUX_DOT), over several chunks of packed sequences from a whole state:
+    g_atk at -inf (a reset) at a chunk's first row, mid-chunk and at a sequence's last token, -1e4
+    at another token. Outputs and final whole states against the float64 reference."""
+    mixer = compiled(next(p for p in AUX_EXAMPLES if p.stem == "gdn2_atk"))
+    assert mixer.kernels.AUX_CHUNKED == (True,)
+    monkeypatch.setattr(mixer.kernels, "AUX_DOT", dot)
+    case = Case(B=1, T=230, H=2, HV=2, K=16, V=12, cu_seqlens=(0, 90, 90, 230), initial_state=True, seed=23)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    first = mixer.reference(**x, **opts)[1]  # a whole state reached by the recurrence itself
+    for t, value in ((30, float("-inf")), (89, float("-inf")), (90 + 64, float("-inf")), (90 + 100, -1e4)):
+        x["g_atk"][0, t] = value
+    opts = dict(opts, initial_state=first)
+    ref_o, ref_state = mixer.reference(**{n: t.double() for n, t in x.items()},
+                                       **dict(opts, initial_state=lrdsl.MixerState(
+                                           first.S.double(), {n: a.double() for n, a in first.aux.items()})))
+    with torch.no_grad():
+        o, state = mixer.chunk(**x, **opts)
+    assert rms_ratio(o, ref_o) < TOL, rms_ratio(o, ref_o)
+    _close(state, ref_state, f"AUX_DOT={dot}")
