@@ -59,9 +59,13 @@ def _free_name(m: ir.Mixer, base: str) -> str:
 
 
 def interleave(t):
-    """[B, T, ...] -> [B, 2T, ...], every token twice in a row."""
+    """[B, T, ...] -> [B, 2T, ...], every token twice in a row. torch.stack, not a reshape of an
+    expanded view: on the H200 its copy is 2.3x faster in bf16 (72 against 162 us for q at B=4
+    T=4096 H=16 K=128), and its backward adds the two halves rather than summing over a dimension
+    of 2 (94 against 144 us)."""
+    import torch  # lazily, as everywhere outside the kernels' paths: `lrdsl show` needs no torch
     B, T = t.shape[:2]
-    return t.unsqueeze(2).expand(B, T, 2, *t.shape[2:]).reshape(B, 2 * T, *t.shape[2:])
+    return torch.stack((t, t), 2).view(B, 2 * T, *t.shape[2:])
 
 
 def phases(B: int, T: int, H: int, like):
