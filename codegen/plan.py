@@ -149,12 +149,6 @@ class Plan:
     # per auxiliary state, the Triton text of its floored log-decay (log alpha_t) where that decay
     # is one number per head and token, else "" (see aux_chunked)
     aux_log_decay: tuple = ()
-    # aux_chunked states' fix-up (chunk_aux_kernel, FIX=True): 0 the pair scan, 1 one tl.dot of the
-    # [BT, BT] decay matrix with the write tile in tf32x3 (module constant AUX_DOT, for
-    # benchmarks/profile_kernels.py --set AUX_DOT=1). ptxas (gdn2_atk, K=128, 4 warps): the scan
-    # 168 registers, tf32x3 255; in ieee fp32 (no tensor cores) it spilled 16 KB, so not offered.
-    # Both match the float64 reference alike on the CPU (tests/test_state.py)
-    aux_dot: int = 0
 
     @property
     def aux_chunked(self) -> tuple:
@@ -162,8 +156,10 @@ class Plan:
         takes the chunked form instead of the pair scan over a [BT, D] tile of (alpha, beta) pairs:
         with G the cumulated log alpha of the chunk's rows, the chunk's map is a = exp(G_last),
         b = sum_s exp(G_last - G_s) beta_s (a weighted sum of rows, no scan), and its states
-        P_t = exp(G_t) P_in + sum_{s<=t} exp(G_t - G_s) beta_s (one [BT, BT] x [BT, D] product, or the
-        scan: aux_dot). A decay per channel keeps the pair scan."""
+        P_t = exp(G_t) P_in + the pair scan of (alpha, beta) from zero. That fix-up as one [BT, BT] x
+        [BT, D] product instead, in tf32x3 (ieee fp32 spilled 16 KB), took 2.2x the scan's time on the
+        H200 (gdn2_atk: 340 against 153 us for both launches; eighteenth session). A decay per
+        channel keeps the pair scan."""
         return tuple(bool(t) for t in self.aux_log_decay)
 
     @property
