@@ -9,7 +9,7 @@ import sys
 from .errors import LrdslError, SpecError
 
 EPILOG = """examples:
-  lrdsl show examples/gated_deltanet.lr        desugared explicit form and canonical form
+  lrdsl show examples/gated_deltanet.lr        explicit form, canonical form, which kernels chunk runs
   lrdsl check examples/gdn2.lr                 eigenvalues, spectral norm, stability
   lrdsl check examples/gdn2.lr --json          the same as one JSON object
   lrdsl compile examples/gdn2.lr -o build/     write build/gdn2.py, a standalone torch + triton module
@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import __version__
     p.add_argument("--version", action="version", version=f"lrdsl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    s = sub.add_parser("show", help="print the explicit form and the canonical form of a spec")
+    s = sub.add_parser("show", help="print the explicit form, the canonical form and the kernels of a spec")
     s.add_argument("spec", help="path to a .lr spec file")
     c = sub.add_parser("check", help="prove or disprove facts about the transition's eigenvalues")
     c.add_argument("spec", help="path to a .lr spec file")
@@ -173,7 +173,34 @@ def cmd_show(args) -> int:
     print(m.explicit(), end="")
     print("\n# canonical form")
     print(m.canonical(), end="")
+    print("\n# kernels")
+    print(kernels_text(m.ir), end="")
     return 0
+
+
+def kernels_text(m) -> str:
+    """Which kernels `chunk` runs for mixer IR m, and why (the `# kernels` section of `lrdsl show`)."""
+    decode = "recurrent  token by token, one launch (templates/{}recurrent.py.jinja): the decode path\n"
+    if m.solve_lam is not None:
+        return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
+    decode = decode.format("")
+    from .codegen.plan import plan
+    from .split import split_ir
+    p = plan(m)
+    wide = f"           keys wider than {p.staged_max_k} take the general kernels (templates/chunk.py.jinja)\n"
+    if p.staged:
+        per = {"diagonal": "a decay per key channel: 16-token blocks on tensor cores",
+               "scalar": "a decay per token and head", "constant": "a decay per head",
+               "identity": "no decay"}[m.decay.kind]
+        return f"chunk      the staged kernels ({per})\n" + wide + decode
+    s = split_ir(m)
+    if s is None:
+        why = p.staged_reason.split(";")[0]
+        return f"chunk      the general kernels (templates/chunk.py.jinja): {why}\n" + decode
+    from . import printer
+    update = next(line for line in printer.explicit(s).splitlines() if line.startswith("S = "))
+    return ("chunk      split (lrdsl/split.py): the staged kernels on two tokens per token (phase 0, 1) of\n"
+            f"           {update}\n" + wide + decode)
 
 
 def cmd_check(args) -> int:

@@ -63,12 +63,41 @@ def test_show_every_example(shown, capsys, name):
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and r.stderr == ""
     m = lrdsl.compile(ROOT / "examples" / f"{name}.lr", check_stability=False)
-    explicit, canonical = r.stdout.split("\n# canonical form\n")
+    explicit, rest = r.stdout.split("\n# canonical form\n")
+    canonical, kernels = rest.split("\n# kernels\n")
     assert explicit == "# explicit form\n" + printer.explicit(m.ir)
     assert canonical == printer.canonical(m.ir)
+    assert kernels.startswith("chunk      ") and "\nrecurrent  token by token" in kernels
     assert f"mixer {name}\n" in explicit
     # what show prints is itself a spec of the same mixer
     assert ir_of(explicit) == m.ir
+
+
+VNORM = """mixer vnorm
+input q[K] l2norm, k[K] l2norm, v[V] l2norm, beta in (0, 1)
+S = (I - beta k k^T) S + beta k v^T
+o = S^T q
+"""
+
+
+@pytest.mark.parametrize("name, first", [
+    ("gated_deltanet", "the staged kernels (a decay per token and head)"),
+    ("gla", "the staged kernels (a decay per key channel: 16-token blocks on tensor cores)"),
+    ("kda_decay_after_erase", "split (lrdsl/split.py): the staged kernels on two tokens per token"),
+    ("mesa", "the offline solve's kernels"),
+    ("vnorm", "the general kernels (templates/chunk.py.jinja): an L2 norm over the value channels"),
+])
+def test_show_says_which_kernels_chunk_runs(name, first, tmp_path, capsys):
+    from lrdsl.cli import main
+    path = ROOT / "examples" / f"{name}.lr"
+    if name == "vnorm":
+        path = tmp_path / "vnorm.lr"
+        path.write_text(VNORM)
+    assert main(["show", str(path)]) == 0
+    kernels = capsys.readouterr().out.split("\n# kernels\n")[1]
+    assert kernels.startswith("chunk      " + first), kernels
+    if name == "kda_decay_after_erase":  # the split spec's own update, phase and gate included
+        assert "diag(exp(gate(phase, g)))" in kernels.splitlines()[1]
 
 
 def test_show_bad_spec_is_an_error(tmp_path):

@@ -1,7 +1,7 @@
 """The split (lrdsl/split.py): a transition whose erase is not along the write key, run as one whose
 erase is, on two tokens per token. Its reference on the interleaved tokens is the original's (float64,
 resets and nan included); chunk through it matches the original's reference forward and backward;
-the general kernels still serve where the split does not (wide keys, context parallelism)."""
+the general kernels still serve where the split does not (keys wider than the staged kernels')."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -73,7 +73,7 @@ def test_split_chunk_gradients_match_the_reference(name):
 
 
 def test_the_general_kernels_still_serve_the_original():
-    """K above the staged kernels' limit, context parallelism: the original module's kernels."""
+    """K above the staged kernels' limit: the original module's general kernels."""
     mixer = _mixer("kda_decay_after_erase")
     assert not hasattr(mixer.kernels, "staged_fwd")
     x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=8, initial_state=True, seed=5), DEVICE)
