@@ -85,3 +85,19 @@ def test_the_general_kernels_still_serve_the_original():
     ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()},
                                    **dict(opts, initial_state=h0.double()))
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL and rms_ratio(split_o, ref_o) < TOL
+
+
+def test_keep_intermediates_takes_the_original_general_kernels(monkeypatch):
+    """keep_intermediates=True runs the general kernels, which on the split's twice the tokens would
+    cost twice the original's: chunk takes the original spec then, with the same results."""
+    mixer = lrdsl.compile(next(p for p in EXAMPLES if p.stem == "kda_decay_after_erase"), keep_intermediates=True)
+    assert mixer.split is not None
+    monkeypatch.setattr(mixer.split, "chunk", lambda *a, **k: pytest.fail("the split was taken"))
+    x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=8, initial_state=True, seed=6), DEVICE)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, s = mixer.chunk(**leaves, **opts)
+    (o.sum() + s.sum()).backward()
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()},
+                                   **dict(opts, initial_state=opts["initial_state"].double()))
+    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
+    assert all(torch.isfinite(t.grad).all() for t in leaves.values())
