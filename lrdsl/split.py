@@ -1,23 +1,22 @@
 """Two tokens for one: a transition whose erase is not along the write key, as one whose erase is.
 
 The staged kernels need the erase direction to be the write key (a = u): the erase then becomes a
-correction of the value. Two kinds of spec miss that: a decay after the erase, D (I - a c^T) S +
-u z^T, whose erase direction in the chunk's decayed frame is a decayed one token less than u (a
-decay per key channel), and an erase direction that is simply another vector. Both are the
-left-order a = u transition applied twice per token, with a phase p (0, then 1) that switches
-parts off:
+correction of the value. Two kinds of spec miss that: a decay per key channel after the erase,
+D (I - a c^T) S + u z^T (in the chunk's decayed frame its erase direction carries one token's decay
+fewer than its write key), and an erase direction that is another vector. Both are the left-order
+a = u transition applied twice per token, with a phase p (0, then 1) that switches parts off:
 
     order "left":  (I - a c^T) D S          then  S + u z^T        (p = 0, then p = 1)
     order "right": (I - a c^T) S            then  D S + u z^T
 
     split: (I - w ((1 - p) c)^T) D^[p] S + w (p z)^T,  w = (1 - p) a + p u (w = u where a = u),
 
-with D^[p] the decay in the phase that has it and 1 in the other (exp(gate(p, log d)): a
-product p log d would be nan where log d is -inf, a reset). The output is
-read at the second token of each pair. The split spec's kernels are generated like any other spec's;
-`Mixer.chunk` interleaves the tensors (each token twice, the phase beside them) and slices o. The
-erase of phase 0 writes nothing (its value is 0) and phase 1 erases nothing (c is 0), so the
-split spec's states after phase 1 are the original's, exactly."""
+with D^[p] the decay in the phase that has it and 1 in the other (exp(gate(p, log d)): a product
+p log d would be nan where log d is -inf, a reset). The output is read at the second token of each
+pair. The split spec's kernels are generated like any other spec's; `Mixer.chunk` interleaves the
+tensors (each token twice, the phase beside them) and slices o. Phase 0 writes nothing (its value
+is 0) and phase 1 erases nothing (its c is 0), so the split spec's states after phase 1 are the
+original's, exactly."""
 from __future__ import annotations
 
 import dataclasses
