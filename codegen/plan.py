@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from lrdsl import ir, printer
+from lrdsl.split import split_ir
 from lrdsl.symbolic import simplified
 
 from .chain import Chain, chain
@@ -406,7 +407,7 @@ def plan(m: ir.Mixer) -> Plan:
         log_decay=_floored(m),
         chunk_size=16 if m.decay.kind == "diagonal" else 64,
         staged=not not_staged,
-        staged_reason=not_staged,
+        staged_reason=not_staged + (SPLIT_NOTE if not_staged and split_ir(m) is not None else ""),
         staged_backward=not not_staged,
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
@@ -522,8 +523,8 @@ def _aux_log_decay(m: ir.Mixer, a: ir.Aux) -> str:
     return f"_floor_log({code(sp.expand_log(sp.log(decay), force=True))})"
 
 
-SPLIT_NOTE = ("; without auxiliary states, Mixer.chunk runs the staged kernels of its split spec instead"
-              " (two tokens per token, lrdsl/split.py) where K <= the staged limit")
+SPLIT_NOTE = ("; Mixer.chunk runs the staged kernels of its split spec instead (two tokens per token,"
+              " lrdsl/split.py) where K <= the staged limit")
 
 
 def _not_staged(m: ir.Mixer) -> str:
@@ -533,9 +534,9 @@ def _not_staged(m: ir.Mixer) -> str:
     direction is the write key, as in every delta-rule model), (I - a c^T) D S + a z^T
     = D S + a (z - c^T D S)^T, so one pairwise matrix and one solve give the corrected values."""
     if m.delta is not None and m.delta.order == "right":
-        return "a decay after the erase takes the general kernels" + SPLIT_NOTE
+        return "a decay after the erase takes the general kernels"
     if m.delta is not None and simplified(m.delta.a - m.write.key) != 0:
-        return "the erase direction differs from the write key" + SPLIT_NOTE
+        return "the erase direction differs from the write key"
     if any(i.l2norm and i.kind == "V" for i in m.inputs):
         return "an L2 norm over the value channels needs whole rows"
     return ""

@@ -195,8 +195,7 @@ def kernels_text(m) -> str:
         return f"chunk      the staged kernels ({per})\n" + wide + decode
     s = split_ir(m)
     if s is None:
-        why = p.staged_reason.split(";")[0]
-        return f"chunk      the general kernels (templates/chunk.py.jinja): {why}\n" + decode
+        return f"chunk      the general kernels (templates/chunk.py.jinja): {p.staged_reason}\n" + decode
     from . import printer
     update = next(line for line in printer.explicit(s).splitlines() if line.startswith("S = "))
     return ("chunk      split (lrdsl/split.py): the staged kernels on two tokens per token (phase 0, 1) of\n"
