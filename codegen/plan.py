@@ -520,7 +520,7 @@ def _aux_log_decay(m: ir.Mixer, a: ir.Aux) -> str:
     kinds = m.kinds()
     if any(kinds[s.name] != "scalar" for s in decay.free_symbols):
         return ""
-    return f"_floor_log({code(sp.expand_log(sp.log(decay), force=True))})"
+    return f"_floor_log({code(ir.log_of(decay))})"
 
 
 SPLIT_NOTE = ("; Mixer.chunk runs the staged kernels of its split spec instead (two tokens per token,"

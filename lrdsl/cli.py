@@ -29,19 +29,36 @@ def _parser() -> argparse.ArgumentParser:
     from . import __version__
     p.add_argument("--version", action="version", version=f"lrdsl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    s = sub.add_parser("show", help="print the explicit form, the canonical form and the kernels of a spec")
+    s = sub.add_parser("show", help="print the explicit form, the canonical form and the kernels of a spec",
+                       description="Print what lrdsl made of a spec: its inputs, the transition written out "
+                                   "(explicit form), the canonical form along the DGPS axes (decay, gain, "
+                                   "preconditioner, solve), and which kernels chunk and recurrent run, with "
+                                   "the reason where a spec takes the general kernels. Needs no GPU.")
     s.add_argument("spec", help="path to a .lr spec file")
-    c = sub.add_parser("check", help="prove or disprove facts about the transition's eigenvalues")
+    c = sub.add_parser("check", help="prove or disprove facts about the transition's eigenvalues",
+                       description="Bound the eigenvalues of the spec's transition over the inputs' declared "
+                                   "ranges (sympy) and say what follows: stable or not, whether eigenvalues "
+                                   "can be negative (state tracking), whether the spectral norm stays <= 1 "
+                                   "and the state bounded, each proved, disproved with a witness, or left "
+                                   "open, with the reasoning. A transition that can grow without bound is an "
+                                   "error (exit status 1) with its place in the spec.")
     c.add_argument("spec", help="path to a .lr spec file")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     c.add_argument("--plot", metavar="FILE", default=None,
                    help="also draw the eigenvalues per head, the decay horizon and any witness of unbounded "
                         "growth into FILE (.png, .svg, .pdf; needs matplotlib)")
-    g = sub.add_parser("compile", help="write the generated kernels module (imports only torch and triton)")
+    g = sub.add_parser("compile", help="write the generated kernels module (imports only torch and triton)",
+                       description="Write <mixer name>.py: the spec's Triton kernels (chunked forward and "
+                                   "backward, recurrent decode) and their host functions, readable and the "
+                                   "same bytes for the same spec. It imports only torch and triton.")
     g.add_argument("spec", help="path to a .lr spec file")
     g.add_argument("-o", "--output", metavar="DIR", default=".",
                    help="directory to write <mixer name>.py into (created if missing; default: .)")
-    f = sub.add_parser("fuzz", help="test the kernels against the float64 reference on random cases")
+    f = sub.add_parser("fuzz", help="test the kernels against the float64 reference on random cases",
+                       description="Draw random cases (shapes, packed sequences, initial states, inputs "
+                                   "inside their declared ranges) with Hypothesis and compare the chunked "
+                                   "and recurrent kernels with the float64 reference scan by relative RMS "
+                                   "error; a failing case is shrunk and printed so it can be replayed.")
     f.add_argument("spec", help="path to a .lr spec file")
     f.add_argument("--examples", type=int, default=50, metavar="N", help="cases to draw (default: 50)")
     f.add_argument("--device", choices=("cpu", "cuda"), default=None,

@@ -33,6 +33,11 @@ def symbol(name: str) -> sp.Symbol:
     return sp.Symbol(name, real=True)
 
 
+def log_of(decay: sp.Expr) -> sp.Expr:
+    """log d as the kernels compute it: expanded, so exp(g) gives g and products give sums."""
+    return sp.expand_log(sp.log(decay), force=True)
+
+
 @dataclass(frozen=True)
 class Input:
     name: str
@@ -166,7 +171,7 @@ class Mixer:
 
     def log_decay(self) -> sp.Expr:
         """log d: the chunked kernels cumulate decays in log space."""
-        return sp.expand_log(sp.log(self.decay.value), force=True)
+        return log_of(self.decay.value)
 
     def input(self, name: str) -> Input:
         return next(i for i in self.inputs if i.name == name)

@@ -274,3 +274,17 @@ def test_no_command_prints_help():
     r = cli()
     assert r.returncode == 2
     assert "show" in r.stdout and "check" in r.stdout
+
+
+def test_every_command_says_what_it_does_in_its_help(capsys):
+    """`lrdsl COMMAND --help` has a paragraph of its own between the usage and the arguments, not
+    only the one-line summary of the top-level help."""
+    from lrdsl.cli import main
+    for command in ("show", "check", "compile", "fuzz", "bench", "mqar"):
+        with pytest.raises(SystemExit) as stop:
+            main([command, "--help"])
+        assert stop.value.code == 0
+        text = capsys.readouterr().out
+        head = text.split("positional arguments:")[0]
+        paragraph = head.split("\n\n", 1)[1] if "\n\n" in head else ""
+        assert len(paragraph.split()) >= 12, f"lrdsl {command} --help has no description:\n{text}"
