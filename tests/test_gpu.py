@@ -89,8 +89,21 @@ GATE_TOL, QKV_TOL = 2e-2, 8e-3
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: os.path.basename(p)[:-3])
 def test_backward_bf16(path):
+    _check_backward_bf16(lrdsl.compile(path), "chunk bwd")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "precond_deltanet", "kda_decay_after_erase"])
+def test_backward_bf16_keeping_intermediates(name):
+    """keep_intermediates=True: the staged backward reads the forward's chunk states and WY stage
+    (the split's too) instead of making them again; the same tolerances."""
+    _check_backward_bf16(lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.lr"),
+                                       keep_intermediates=True),
+                         "chunk bwd kept")
+
+
+def _check_backward_bf16(mixer, label):
     B, T, H, HV, K, V = 2, 2048, 4, 4, 128, 128
-    mixer = lrdsl.compile(path)
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = draw(mixer, B, T, H, HV, K, V, torch.bfloat16, "cuda", gen)
     h0 = torch.randn(B, HV, K, V, generator=gen, device="cuda")
@@ -118,7 +131,7 @@ def test_backward_bf16(path):
     got = grads(mixer.chunk, torch.bfloat16)
     errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
     print(mixer.name, " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
-    RESULTS.append((mixer.name, "chunk bwd", max(errs[n] for n in ("q", "k", "v")),
+    RESULTS.append((mixer.name, label, max(errs[n] for n in ("q", "k", "v")),
                     max([errs[n] for n in errs if n not in ("q", "k", "v", "h0")] or [0.0])))
     for n, e in errs.items():
         assert e < (QKV_TOL if n in ("q", "k", "v", "h0") else GATE_TOL), (n, e)
@@ -343,7 +356,7 @@ def test_offline_solve_bf16(path, K):
 
     ref, got = grads(mixer.reference, torch.float64), grads(mixer.chunk, torch.bfloat16)
     errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
-    RESULTS.append((mixer.name, "chunk bwd", max(errs[n] for n in ("q", "k", "v")),
+    RESULTS.append((mixer.name, label, max(errs[n] for n in ("q", "k", "v")),
                     max([errs[n] for n in errs if n not in ("q", "k", "v", "h0")] or [0.0])))
     for n, e in errs.items():
         assert e < 2e-2, (n, e)
