@@ -280,6 +280,40 @@ def test_keep_intermediates_gives_the_same_gradients(stem, path, compiled, monke
     assert all(e < tolerance(n) for n, e in errs.items()), f"{stem}: kept vs reference: {describe(errs)}"
 
 
+@pytest.mark.parametrize("path", ["kept", "general"])
+def test_kept_intermediates_are_freed_by_the_backward(path, compiled, monkeypatch):
+    """The backward takes the kept intermediates over (freed with it, not with the graph): a second
+    backward through a retained graph recomputes them (the staged path: one more pass of stages 1
+    to 3) and gets the same gradients."""
+    import weakref
+
+    import lrdsl.autograd as ag
+    mixer = compiled(ROOT / "examples" / "gated_deltanet.lr", keep_intermediates=True)
+    if path == "general":
+        general_kernels(mixer, monkeypatch)
+    kept, forward = [], ag.chunk_forward
+
+    def spy(*args, **kwargs):  # a weak reference to the dict the forward keeps
+        r = forward(*args, **kwargs)
+        kept.append(weakref.ref(r[0].saved["hs"]))
+        return r
+    monkeypatch.setattr(ag, "chunk_forward", spy)
+    calls, states = [], mixer.kernels._staged_states
+    monkeypatch.setattr(mixer.kernels, "_staged_states", lambda *a, **k: calls.append(1) or states(*a, **k))
+    case = Case(B=1, T=40, H=1, HV=2, K=16, V=8, cu_seqlens=(0, 17, 40), initial_state=True, seed=27)
+    x, opts = draw_inputs(mixer, case, "cpu")
+    leaves = [t.clone().requires_grad_() for t in (*x.values(), opts.pop("initial_state"))]
+    w = torch.randn(1, 40, 2, 8, generator=torch.Generator().manual_seed(28))
+    loss = (mixer.chunk(**dict(zip(x, leaves)), initial_state=leaves[-1], **opts)[0] * w).sum()
+    assert len(kept) == 1 and kept[0]() is not None
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    assert kept[0]() is None, "the kept chunk states outlive the backward"
+    n = len(calls)
+    second = torch.autograd.grad(loss, leaves)
+    assert len(calls) == n + (path == "kept"), f"{path}: {len(calls) - n} passes of stages 1 to 3 in the second backward"
+    assert all(torch.isfinite(a).all() and rms_ratio(b, a) < 1e-5 for a, b in zip(first, second))
+
+
 @pytest.mark.parametrize("stem", ["gated_deltanet", "deltanet", "kda", "gla", "mamba2", "precond_kda"])
 def test_kept_staged_states_are_what_the_backward_would_make(stem, compiled):
     """What chunk_fwd(..., keep=True) keeps for staged_bwd is what staged_bwd's own pass of stages 1
