@@ -301,9 +301,9 @@ def test_kept_intermediates_are_freed_by_the_backward(path, compiled, monkeypatc
     calls, states = [], mixer.kernels._staged_states
     monkeypatch.setattr(mixer.kernels, "_staged_states", lambda *a, **k: calls.append(1) or states(*a, **k))
     case = Case(B=1, T=40, H=1, HV=2, K=16, V=8, cu_seqlens=(0, 17, 40), initial_state=True, seed=27)
-    x, opts = draw_inputs(mixer, case, "cpu")
+    x, opts = draw_inputs(mixer, case, DEVICE)
     leaves = [t.clone().requires_grad_() for t in (*x.values(), opts.pop("initial_state"))]
-    w = torch.randn(1, 40, 2, 8, generator=torch.Generator().manual_seed(28))
+    w = torch.randn(1, 40, 2, 8, generator=torch.Generator().manual_seed(28)).to(DEVICE)
     loss = (mixer.chunk(**dict(zip(x, leaves)), initial_state=leaves[-1], **opts)[0] * w).sum()
     assert len(kept) == 1 and kept[0]() is not None
     first = torch.autograd.grad(loss, leaves, retain_graph=True)
@@ -318,11 +318,12 @@ def test_kept_intermediates_are_freed_by_the_backward(path, compiled, monkeypatc
 def test_kept_staged_states_are_what_the_backward_would_make(stem, compiled):
     """What chunk_fwd(..., keep=True) keeps for staged_bwd is what staged_bwd's own pass of stages 1
     to 3 (_staged_states from the forward's solve) makes: every tensor to rounding, non-finite in
-    the same places, the same chunks flagged dirty (an inf in v), None where that pass has None."""
+    the same places, the same chunks flagged dirty (an inf in v), None where that pass has None. (On
+    the CPU they are equal bit for bit but with the decayed keys from the solve, gla's: 4e-6.)"""
     mixer = compiled(ROOT / "examples" / f"{stem}.lr")
     mod = mixer.kernels
     case = Case(B=1, T=150, H=1, HV=2, K=20, V=12, cu_seqlens=(0, 41, 150), initial_state=True, seed=25)
-    x, opts = draw_inputs(mixer, case, "cpu")
+    x, opts = draw_inputs(mixer, case, DEVICE)
     x["v"][0, 41 + 64 + 9, 1, 3] = float("inf")  # the second sequence's second chunk, value head 1
     inputs, cu, scale = {n: t.contiguous() for n, t in x.items()}, opts["cu_seqlens"].to(torch.int64), case.K ** -0.5
     r = mod.chunk_fwd(inputs, scale, opts["initial_state"], True, cu, keep=True)
@@ -330,6 +331,7 @@ def test_kept_staged_states_are_what_the_backward_would_make(stem, compiled):
     again = mod._staged_states(inputs, scale, opts["initial_state"], False, cu, r.residual,
                                keep_aux=bool(mod.CHAIN_AUX))
     assert again["dirty"].sum() > 0 and torch.equal(r.saved["dirty"], again["dirty"])
+    tol = 1e-5 if DEVICE == "cpu" else TOL  # the GPU's products may round in another order
     for n, got in r.saved.items():
         if n in ("staged", "args", "dirty"):
             continue
@@ -342,7 +344,7 @@ def test_kept_staged_states_are_what_the_backward_would_make(stem, compiled):
                 continue
             fin = torch.isfinite(b)
             assert torch.equal(torch.isfinite(a), fin), f"{stem}: {n} not finite in other places"
-            assert rms_ratio(a[fin], b[fin]) < 1e-5, f"{stem}: {n} {rms_ratio(a[fin], b[fin]):.3g}"
+            assert rms_ratio(a[fin], b[fin]) < tol, f"{stem}: {n} {rms_ratio(a[fin], b[fin]):.3g}"
     assert [a is b for a, b in zip(r.saved["args"], again["args"])][:len(inputs)] == [True] * len(inputs)
 
 
