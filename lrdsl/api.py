@@ -209,8 +209,9 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from . import offline
             return offline.chunk(self, batch)
-        # keep_intermediates takes the general kernels, which would run the split's twice the tokens
-        if self.split is not None and not self.keep_intermediates and batch.K <= self.split.kernels.STAGED_MAX_K:
+        # the split's staged kernels, keeping their intermediates too with keep_intermediates (the split
+        # mixer has this mixer's); wider keys take the original spec's general kernels
+        if self.split is not None and batch.K <= self.split.kernels.STAGED_MAX_K:
             return self._chunk_split(batch)
         tensors = [batch.tensors[n] for n in self.ir.tensor_names]
         from .autograd import eager
@@ -225,7 +226,7 @@ class Mixer:
         if self._split is None:
             from .split import split_ir
             s = split_ir(self.ir)
-            self._split = False if s is None else Mixer(s, check_ranges=False)
+            self._split = False if s is None else Mixer(s, keep_intermediates=self.keep_intermediates, check_ranges=False)
             if s is not None:
                 self._split._split = False  # its erase is along its write key: staged kernels
         return self._split or None

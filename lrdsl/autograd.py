@@ -371,13 +371,17 @@ class ChunkFunction(torch.autograd.Function):
         # auxiliary initial states the backward solves again, as before
         residual = r.residual if not n_aux else None
         ctx.info = (mixer_ir, module, batch, names, h0c, None if h0 is None else h0.dtype,
-                    [a.dtype for a in aux0], n, r.saved, residual)
+                    [a.dtype for a in aux0], n, residual)
+        ctx.kept = r.saved
         ctx.set_materialize_grads(False)
         return (r.o, r.final_state, *r.final_aux)
 
     @staticmethod
     def backward(ctx, do, dht, *dfinal_aux):
-        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n, saved, residual = ctx.info
+        mixer_ir, module, batch, names, h0, h0_dtype, aux_dtypes, n, residual = ctx.info
+        # the kept intermediates are handed over, freed with this backward rather than with the graph
+        # (a second backward through a retained graph finds None and recomputes them)
+        saved, ctx.kept = ctx.kept, None
         stored = ctx.saved_tensors
         tensors, aux0 = list(stored[:n]), (list(stored[n:]) if aux_dtypes else None)
         needs = ctx.needs_input_grad[7:]

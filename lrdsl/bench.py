@@ -5,7 +5,8 @@ else the FLA op of the same canonical shape (erase or not; no, scalar or per-cha
 read the same tensors. Two times per call: the median wall clock of triton.testing.do_bench, and the
 GPU time (the summed durations of the call's kernels under torch.profiler), which does not move with
 the host's speed where short forwards are launch-bound. Memory is the peak allocated above what the
-inputs hold, during one call.
+inputs hold, during one call; with the backward also what the forward leaves allocated for it
+(held_mem, in the log: more with keep_intermediates, `lrdsl bench --keep-intermediates`).
 """
 from __future__ import annotations
 
@@ -188,6 +189,15 @@ def measure(f, x: dict, s: Shape, backward: bool) -> dict:
             t.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        y = f(x)  # what the forward leaves for the backward (its output included)
+        torch.cuda.synchronize()
+        out["held_mem"] = torch.cuda.memory_allocated() - base
+        y.backward(do)
+        del y
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()

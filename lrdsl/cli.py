@@ -16,6 +16,8 @@ EPILOG = """examples:
   lrdsl fuzz examples/gdn2.lr --examples 20    kernels vs the float64 reference on random cases
   lrdsl bench examples/gated_deltanet.lr --backward
                                                GPU: ms, TFLOP/s and memory beside FLA's twin
+  lrdsl bench examples/kda.lr --keep-intermediates
+                                               and a row for forward + backward keeping the intermediates
   lrdsl mqar examples/gated_deltanet.lr examples/gdn2.lr --plot mqar.png
                                                train a 2-layer model per spec on associative recall
   lrdsl check examples/gdn2.lr --plot gdn2.png   draw the eigenvalues, decay horizon and growth witness
@@ -84,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", default="4,4096,16,128,128", metavar="B,T,H,K,V",
                    help="batch, tokens, heads, key and value size (default: 4,4096,16,128,128); bf16 inputs")
     b.add_argument("--backward", action="store_true", help="also time forward + backward and its peak memory")
+    b.add_argument("--keep-intermediates", action="store_true",
+                   help="also time each spec compiled with keep_intermediates=True (the forward keeps what "
+                        "the backward reads, which then does not make it again): a row of its own under the "
+                        "default one, lrdsl alone, forward + backward and its peak memory (implies --backward)")
     b.add_argument("--no-fla", dest="fla", action="store_false",
                    help="time lrdsl alone (by default FLA's twin is timed when fla-core is importable)")
     _mqar_parser(sub)
@@ -163,9 +169,14 @@ def cmd_bench(args) -> int:
     try:
         for i, path in enumerate(args.spec):
             print(f"[{i + 1}/{len(args.spec)}] {path}: compiling, tuning, timing", file=sys.stderr, flush=True)
-            row = bench.bench(compile(path), shape, args.backward, args.fla,
+            backward = args.backward or args.keep_intermediates
+            row = bench.bench(compile(path), shape, backward, args.fla,
                               log=lambda s: print(s, file=sys.stderr, flush=True))
             print(bench.table_row(row), flush=True)
+            if args.keep_intermediates:
+                row = bench.bench(compile(path, keep_intermediates=True), shape, True, False,
+                                  log=lambda s: print(s, file=sys.stderr, flush=True))
+                print(bench.table_row(dict(row, mixer=row["mixer"] + " (keep_intermediates)")), flush=True)
             done += 1
     except KeyboardInterrupt:
         print(f"lrdsl bench: stopped during {args.spec[done]}; the table holds the "

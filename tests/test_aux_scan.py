@@ -57,7 +57,7 @@ def test_chain_rule_with_the_triton_scan_matches_reference(stem, case_id, compil
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, start", [("precond_deltanet", "whole"), ("precond_deltanet", "S"), ("gdn2_atk", "whole"),
-                                         ("precond_kda", "kept"), ("stored_lets", "whole")])
+                                         ("precond_kda", "kept"), ("precond_kda", "general"), ("stored_lets", "whole")])
 def test_whole_state_gradients_with_the_triton_scan(name, start, compiled, monkeypatch):
     monkeypatch.setattr(ag, "TRITON_SCAN", True)
     monkeypatch.setattr(ag, "GENERATED_AUX_CHAIN", False)
@@ -97,9 +97,9 @@ def test_generated_aux_chain_rule_matches_reference(stem, case_id, compiled, mon
 
 
 @pytest.mark.slow
-# (keep_intermediates, "kept": its backward is not the staged one, so the PyTorch chain rule runs)
+# (not "general", the general kernels: their backward is not the staged one, so the PyTorch chain rule runs)
 @pytest.mark.parametrize("name, start", [("precond_deltanet", "whole"), ("precond_kda", "whole"), ("gdn2_atk", "whole"),
-                                         ("gdn2_atk", "S")])
+                                         ("gdn2_atk", "S"), ("precond_kda", "kept")])
 def test_whole_state_gradients_with_the_generated_aux_chain_rule(name, start, compiled, monkeypatch):
     _no_pytorch_chain_rule(monkeypatch)
     test_state.test_gradients_through_the_whole_state(name, start, compiled, monkeypatch)

@@ -11,7 +11,8 @@ rms(chunk - reference) / rms(reference):
 
     < 1e-4  for dq, dk, dv and dh0;      < 1e-3  for the gradients of the other (gate) inputs.
 
-Also here: keep_intermediates=True gives the recompute path's gradients; torch.compile
+Also here: keep_intermediates=True gives the recompute path's gradients (the staged backward
+reading what the staged forward kept, and the general kernels); torch.compile
 (aot_eager, fullgraph) of a loss through mixer.chunk; mixer.recurrent is forward-only.
 (gradcheck of the reference itself lives in tests/test_reference.py.)
 """
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 import lrdsl
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
 from specgen import axis_specs, default_first, example_params, kernel_examples
+from test_recurrent import general_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)
@@ -236,19 +238,38 @@ def test_random_spec_chunk_gradients_match_reference(text, drawn):
 
 
 # ---- keep_intermediates ----------------------------------------------------------------------
-@pytest.mark.parametrize("stem", ["gated_deltanet", pytest.param("kda", marks=pytest.mark.slow), "precond_kda"])
-def test_keep_intermediates_gives_the_same_gradients(stem, compiled):
-    path = ROOT / "examples" / f"{stem}.lr"
-    recompute, kept = compiled(path), compiled(path, keep_intermediates=True)
-    assert kept.keep_intermediates and not recompute.keep_intermediates
-    case = Case(B=1, T=29, H=1, HV=2, K=20, V=16, cu_seqlens=(0, 11, 29), initial_state=True, seed=21)
+# "kept": the staged kernels, whose backward reads what their forward kept (one pass of stages 1
+# to 3, _staged_states, in all); "general": the general kernels keeping theirs (general_kernels).
+# The specs: the fused solve and WY stage (gated_deltanet), an erase with a decay per key channel
+# (kda), decayed keys from the solve (gla), the decay prefix (mamba2), an auxiliary state (precond_kda)
+KEEP = [("gated_deltanet", "kept"), ("kda", "kept"), ("gla", "kept"), ("mamba2", "kept"), ("precond_kda", "kept"),
+        ("gated_deltanet", "general"), ("precond_kda", "general")]
+SLOW_KEEP = [("kda", "general")]
+
+
+@pytest.mark.parametrize("stem,path", KEEP + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_KEEP],
+                         ids=lambda v: str(v))
+def test_keep_intermediates_gives_the_same_gradients(stem, path, compiled, monkeypatch):
+    spec = ROOT / "examples" / f"{stem}.lr"
+    recompute, kept = compiled(spec), compiled(spec, keep_intermediates=True)
+    assert kept.keep_intermediates and not recompute.keep_intermediates and kept.kernels is recompute.kernels
+    calls, states = [], kept.kernels._staged_states
+    monkeypatch.setattr(kept.kernels, "_staged_states", lambda *a, **k: calls.append(1) or states(*a, **k))
+    # packed sequences, the second of two staged chunks (64 tokens)
+    case = Case(B=1, T=90, H=1, HV=2, K=20, V=16, cu_seqlens=(0, 11, 90), initial_state=True, seed=21)
     x, opts = draw_inputs(recompute, case, "cpu")
     h0 = opts.pop("initial_state")
     do, dS = upstream((case.B, case.T, case.HV, case.V), (case.N, case.HV, case.K, case.V), 22)
     o1, S1, g1 = gradients(recompute.chunk, x, h0, dict(opts), do, dS, torch.float32)
+    assert len(calls) == 2, f"{stem}: the recompute path made stages 1 to 3 {len(calls)} times, not twice"
+    if path == "general":
+        general_kernels(kept, monkeypatch)
+    calls.clear()
     o2, S2, g2 = gradients(kept.chunk, x, h0, dict(opts), do, dS, torch.float32)
-    # without kept intermediates, forward and backward may take the staged kernels, a different
-    # algorithm: both agree to the kernel tolerance
+    want = 1 if path == "kept" else 0
+    assert len(calls) == want, f"{stem} {path}: stages 1 to 3 made {len(calls)} times, not {want}"
+    # the recompute path takes the staged kernels: the general ones are a different algorithm, and
+    # either agrees with it to the kernel tolerance
     assert rms_ratio(o2, o1) < TOL and rms_ratio(S2, S1) < TOL
     assert set(g1) == set(g2) == {*recompute.inputs, "initial_state"}
     diffs = {n: rms_ratio(g2[n], g1[n]) for n in g1}
@@ -257,6 +278,74 @@ def test_keep_intermediates_gives_the_same_gradients(stem, compiled):
     _, _, ref = gradients(recompute.reference, x, h0, dict(opts), do, dS, torch.float64)
     errs = {n: rms_ratio(g2[n], ref[n]) for n in ref}
     assert all(e < tolerance(n) for n, e in errs.items()), f"{stem}: kept vs reference: {describe(errs)}"
+
+
+@pytest.mark.parametrize("path", ["kept", "general"])
+def test_kept_intermediates_are_freed_by_the_backward(path, compiled, monkeypatch):
+    """The backward takes the kept intermediates over (freed with it, not with the graph): a second
+    backward through a retained graph recomputes them (the staged path: one more pass of stages 1
+    to 3) and gets the same gradients."""
+    import weakref
+
+    import lrdsl.autograd as ag
+    mixer = compiled(ROOT / "examples" / "gated_deltanet.lr", keep_intermediates=True)
+    if path == "general":
+        general_kernels(mixer, monkeypatch)
+    kept, forward = [], ag.chunk_forward
+
+    def spy(*args, **kwargs):  # a weak reference to the dict the forward keeps
+        r = forward(*args, **kwargs)
+        kept.append(weakref.ref(r[0].saved["hs"]))
+        return r
+    monkeypatch.setattr(ag, "chunk_forward", spy)
+    calls, states = [], mixer.kernels._staged_states
+    monkeypatch.setattr(mixer.kernels, "_staged_states", lambda *a, **k: calls.append(1) or states(*a, **k))
+    case = Case(B=1, T=40, H=1, HV=2, K=16, V=8, cu_seqlens=(0, 17, 40), initial_state=True, seed=27)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (*x.values(), opts.pop("initial_state"))]
+    w = torch.randn(1, 40, 2, 8, generator=torch.Generator().manual_seed(28)).to(DEVICE)
+    loss = (mixer.chunk(**dict(zip(x, leaves)), initial_state=leaves[-1], **opts)[0] * w).sum()
+    assert len(kept) == 1 and kept[0]() is not None
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    assert kept[0]() is None, "the kept chunk states outlive the backward"
+    n = len(calls)
+    second = torch.autograd.grad(loss, leaves)
+    assert len(calls) == n + (path == "kept"), f"{path}: {len(calls) - n} passes of stages 1 to 3 in the second backward"
+    assert all(torch.isfinite(a).all() and rms_ratio(b, a) < 1e-5 for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("stem", ["gated_deltanet", "deltanet", "kda", "gla", "mamba2", "precond_kda"])
+def test_kept_staged_states_are_what_the_backward_would_make(stem, compiled):
+    """What chunk_fwd(..., keep=True) keeps for staged_bwd is what staged_bwd's own pass of stages 1
+    to 3 (_staged_states from the forward's solve) makes: every tensor to rounding, non-finite in
+    the same places, the same chunks flagged dirty (an inf in v), None where that pass has None. (On
+    the CPU they are equal bit for bit but with the decayed keys from the solve, gla's: 4e-6.)"""
+    mixer = compiled(ROOT / "examples" / f"{stem}.lr")
+    mod = mixer.kernels
+    case = Case(B=1, T=150, H=1, HV=2, K=20, V=12, cu_seqlens=(0, 41, 150), initial_state=True, seed=25)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    x["v"][0, 41 + 64 + 9, 1, 3] = float("inf")  # the second sequence's second chunk, value head 1
+    inputs, cu, scale = {n: t.contiguous() for n, t in x.items()}, opts["cu_seqlens"].to(torch.int64), case.K ** -0.5
+    r = mod.chunk_fwd(inputs, scale, opts["initial_state"], True, cu, keep=True)
+    assert r.saved is not None and r.saved["staged"]
+    again = mod._staged_states(inputs, scale, opts["initial_state"], False, cu, r.residual,
+                               keep_aux=bool(mod.CHAIN_AUX))
+    assert again["dirty"].sum() > 0 and torch.equal(r.saved["dirty"], again["dirty"])
+    tol = 1e-5 if DEVICE == "cpu" else TOL  # the GPU's products may round in another order
+    for n, got in r.saved.items():
+        if n in ("staged", "args", "dirty"):
+            continue
+        want = again[n]
+        pairs = list(zip(got, want)) if isinstance(got, (list, tuple)) else [(got, want)]
+        assert len(pairs) == (len(want) if isinstance(want, (list, tuple)) else 1), n
+        for a, b in pairs:
+            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+                assert (a is None and b is None) or a == b, f"{stem}: {n} kept {a!r}, made again {b!r}"
+                continue
+            fin = torch.isfinite(b)
+            assert torch.equal(torch.isfinite(a), fin), f"{stem}: {n} not finite in other places"
+            assert rms_ratio(a[fin], b[fin]) < tol, f"{stem}: {n} {rms_ratio(a[fin], b[fin]):.3g}"
+    assert [a is b for a, b in zip(r.saved["args"], again["args"])][:len(inputs)] == [True] * len(inputs)
 
 
 # ---- torch.compile ---------------------------------------------------------------------------

@@ -254,6 +254,32 @@ def test_a_stopped_bench_prints_the_specs_it_finished(how, monkeypatch, capsys):
     assert restored is guard  # the caller's handler is put back
 
 
+def test_bench_keep_intermediates_adds_a_kept_row(monkeypatch, capsys):
+    """--keep-intermediates: under each spec's row (timed with its backward, as --backward) a row of
+    the spec compiled with keep_intermediates=True, forward + backward, lrdsl alone."""
+    import torch
+
+    from lrdsl import bench, cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test device")
+    calls = []
+
+    def fake_bench(mixer, s, backward, with_twin, log):
+        calls.append((mixer.name, mixer.keep_intermediates, backward, with_twin))
+        return {"mixer": mixer.name, "shape": s, "flop": 1e12,
+                "lrdsl": {"fwd_ms": 1.0, "both_ms": 3.0 - mixer.keep_intermediates, "bwd_mem": 2 ** 30}}
+    monkeypatch.setattr(bench, "bench", fake_bench)
+    specs = [str(ROOT / "examples" / f"{n}.lr") for n in ("mamba2", "kda")]
+    assert cli.main(["bench", "--keep-intermediates", *specs]) == 0
+    out = capsys.readouterr().out
+    assert calls == [("mamba2", False, True, True), ("mamba2", True, True, False),
+                     ("kda", False, True, True), ("kda", True, True, False)]
+    rows = [line for line in out.splitlines() if line.startswith("| mamba2") or line.startswith("| kda")]
+    assert [r.split(" | ")[0] for r in rows] == ["| mamba2", "| mamba2 (keep_intermediates)", "| kda",
+                                                 "| kda (keep_intermediates)"]
+    assert " 3.000 | " in rows[0] and " 2.000 | " in rows[1]
+
+
 def test_a_killed_bench_leaves_the_rows_it_finished(tmp_path):
     """A bench killed outright (SIGKILL: no handler runs) during its second spec has already
     printed the first spec's row, since each row is printed as its spec finishes."""

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 import lrdsl
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
 from specgen import axis_specs
-from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules, state_parts
+from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules, general_kernels, state_parts
 
 OFFLINE = EXAMPLES[0].parent / "mesa.lr"  # the offline solve's own kernels
-MIXERS = {  # name: (spec, compile options); "-general": the general kernels (keep_intermediates)
+MIXERS = {  # name: (spec, compile options); "-general": the general kernels (general_kernels), kept
     "gated_deltanet": ("gated_deltanet", {}),
     "kda": ("kda", {}),
     "gla": ("gla", {}),
@@ -142,6 +142,8 @@ def matrix():
 def test_nonfinite_input_reaches_no_earlier_token(mixer_id, bad, where, semantics, compiled, monkeypatch):
     stem, options = MIXERS[mixer_id]
     mixer = compiled(spec_path(stem), check_ranges=False, **options)
+    if mixer_id.endswith("-general"):
+        general_kernels(mixer, monkeypatch)
     case = Case(B=1, T=110, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 20, 110), initial_state=True, seed=9)
     x, opts = draw_inputs(mixer, case, DEVICE)
     name, value, whole = BAD[bad]

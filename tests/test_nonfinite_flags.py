@@ -13,7 +13,7 @@ import lrdsl
 import test_nonfinite
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
 from test_nonfinite import check_causal, check_earlier_dq, semantics, spec_path, spoil  # noqa: F401 (semantics: a fixture)
-from test_recurrent import DEVICE
+from test_recurrent import DEVICE, general_kernels
 
 pytestmark = test_nonfinite.pytestmark + [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 
@@ -23,7 +23,7 @@ MIX = Case(B=1, T=242, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 50, 242), initial_s
 MIX_ROW = 50 + BT + 21
 MIX_CHUNKS = (2, 3)  # its chunk and the one after it, numbered over both sequences (4 in all)
 # (mixer id, spec, compile options, bad input): the staged scalar and per-channel forwards with and
-# without an erase, and the general kernels
+# without an erase, and ("-general") the general kernels (general_kernels), keeping their intermediates
 MIXED = [("gated_deltanet-k-nan", "gated_deltanet", {}, "k-nan"),
          ("gated_deltanet-v-inf", "gated_deltanet", {}, "v-inf"),
          ("kda-g-nan", "kda", {}, "g-nan"),
@@ -70,6 +70,7 @@ o = S^T q
 OVER = Case(B=1, T=150, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 40, 150), initial_state=True, seed=12)
 OVER_ROW = 40 + BT + 27  # inside the second sequence's second chunk
 OVER_CHUNKS = (2,)  # its chunk, the sequence's last
+# {"keep_intermediates": True}: the general kernels (general_kernels), keeping their intermediates
 OVERFLOWED = [("gdn_exp", {}), ("kda_exp", {}), ("gla_exp", {}), ("gdn_exp", {"keep_intermediates": True})]
 
 
@@ -109,11 +110,13 @@ def expected_flags(n_chunks, HV, chunks, heads):
     pytest.param(*m, marks=pytest.mark.slow if m[0] in SLOW_MIXED else (), id=m[0]) for m in MIXED])
 def test_one_dirty_chunk_among_clean_ones(mixer_id, stem, options, bad, semantics, compiled, monkeypatch):
     mixer = compiled(spec_path(stem), check_ranges=False, **options)
+    if "-general" in mixer_id:
+        general_kernels(mixer, monkeypatch)
     x, opts = draw_inputs(mixer, MIX, DEVICE)
     name, value, whole = test_nonfinite.BAD[bad]
     made = flags_of(monkeypatch)
     check_causal(mixer, spoil(x, name, value, whole, MIX_ROW), opts, MIX_ROW, monkeypatch, mixer_id)
-    if options.get("keep_intermediates"):  # the general kernels keep their causal products
+    if "-general" in mixer_id:  # the general kernels keep their causal products
         assert not made
         return
     assert len(made) == 1, f"{mixer_id}: {len(made)} flag matrices"
@@ -130,6 +133,8 @@ def test_overflow_of_finite_inputs_reaches_no_earlier_token(name, options, seman
     """a = 100 in one value channel of one token: exp(a) v is inf in fp32 there (finite inputs). The
     tokens before it match the float64 reference; from it on the kernels overflowed."""
     mixer = _compiled_text(name, bool(options))
+    if options:
+        general_kernels(mixer, monkeypatch)
     x, opts = draw_inputs(mixer, OVER, DEVICE)
     x = spoil(x, "a", 100.0, False, OVER_ROW)
     made = flags_of(monkeypatch)

@@ -42,6 +42,15 @@ def chunk_modules(mixer) -> list:
     return [mixer.kernels] + ([mixer.split.kernels] if mixer.split is not None else [])
 
 
+def general_kernels(mixer, monkeypatch):
+    """The mixer, its chunk (forward and backward, keep_intermediates or not) sent to the general
+    kernels for this test: the staged ones serve keys up to STAGED_MAX_K, here none (nor the split's,
+    so the original spec's general kernels run)."""
+    for module in chunk_modules(mixer):
+        monkeypatch.setattr(module, "STAGED_MAX_K", 0)
+    return mixer
+
+
 class PoisonTorch:
     """Stands in for `torch` inside a generated module: every tensor it allocates with empty /
     empty_like starts as NaN, so an element the kernel never writes shows up as NaN."""

@@ -87,17 +87,16 @@ def test_the_general_kernels_still_serve_the_original():
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL and rms_ratio(split_o, ref_o) < TOL
 
 
-def test_keep_intermediates_takes_the_original_general_kernels(monkeypatch):
-    """keep_intermediates=True runs the general kernels, which on the split's twice the tokens would
-    cost twice the original's: chunk takes the original spec then, with the same results."""
+def test_keep_intermediates_keeps_the_splits_staged_intermediates(monkeypatch):
+    """keep_intermediates=True: the split mixer inherits it, so chunk runs the split's staged kernels
+    (not the original's general kernels on half the tokens), and their backward reads what their
+    forward kept: one pass of stages 1 to 3 (_staged_states) in all. Gradients as the reference's."""
     mixer = lrdsl.compile(next(p for p in EXAMPLES if p.stem == "kda_decay_after_erase"), keep_intermediates=True)
-    assert mixer.split is not None
-    monkeypatch.setattr(mixer.split, "chunk", lambda *a, **k: pytest.fail("the split was taken"))
-    x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=8, initial_state=True, seed=6), DEVICE)
-    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    o, s = mixer.chunk(**leaves, **opts)
-    (o.sum() + s.sum()).backward()
-    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()},
-                                   **dict(opts, initial_state=opts["initial_state"].double()))
-    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
-    assert all(torch.isfinite(t.grad).all() for t in leaves.values())
+    assert mixer.split is not None and mixer.split.keep_intermediates
+    monkeypatch.setattr(mixer.kernels, "chunk_fwd", lambda *a, **k: pytest.fail("the original's kernels ran"))
+    calls, states = [], mixer.split.kernels._staged_states
+    monkeypatch.setattr(mixer.split.kernels, "_staged_states", lambda *a, **k: calls.append(1) or states(*a, **k))
+    errors, failures = compare(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=8, cu_seqlens=(0, 13, 40),
+                                           initial_state=True, seed=6))
+    assert not failures, errors
+    assert len(calls) == 1, f"{len(calls)} passes of stages 1 to 3 for one forward and backward"

@@ -10,7 +10,7 @@ import lrdsl
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
 from lrdsl.offline import case_tolerance
 
-from test_recurrent import DEVICE, EXAMPLES
+from test_recurrent import DEVICE, EXAMPLES, general_kernels
 
 AUX_EXAMPLES = [p for p in EXAMPLES if lrdsl.compile(p, load_kernels=False).ir.aux]
 
@@ -105,21 +105,26 @@ def test_zero_state_and_clear_errors(compiled):
 def test_chunk_scans_each_auxiliary_state_once(compiled, monkeypatch):
     """The chunked forward gives the auxiliary final states from its own scans: one pass of the
     auxiliary scans per forward, on every path (the custom op from S alone, from a whole state,
-    keeping the intermediates)."""
+    keeping the intermediates: the staged kernels', then the general kernels')."""
     path = next(p for p in AUX_EXAMPLES if p.stem == "precond_deltanet")
     mixer, kept = compiled(path), compiled(path, keep_intermediates=True)
     assert mixer.kernels is kept.kernels
-    calls, scan = [], mixer.kernels._aux_states
+    calls, scan, staged = [], mixer.kernels._aux_states, mixer.kernels._staged_states
     monkeypatch.setattr(mixer.kernels, "_aux_states", lambda *a, **kw: calls.append(1) or scan(*a, **kw))
+    monkeypatch.setattr(mixer.kernels, "_staged_states", lambda *a, **kw: calls.append("staged") or staged(*a, **kw))
     case = Case(B=1, T=21, H=1, HV=2, K=16, V=8, cu_seqlens=(0, 6, 6, 21), initial_state=True, seed=4)
     x, opts = draw_inputs(mixer, case, DEVICE)
     whole = mixer.reference(**x, **opts)[1]
-    for m, start in ((mixer, opts["initial_state"]), (mixer, whole), (kept, whole)):
+    for m, start, general in ((mixer, opts["initial_state"], False), (mixer, whole, False), (kept, whole, False),
+                              (kept, whole, True)):
+        if general:
+            general_kernels(kept, monkeypatch)
         calls.clear()
         with torch.no_grad():
             o, state = m.chunk(**x, **dict(opts, initial_state=start))
         ref_o, ref_state = m.reference(**x, **dict(opts, initial_state=start))
-        assert len(calls) == 1, f"{len(calls)} passes of the auxiliary scans for one forward"
+        assert calls.count(1) == 1, f"{calls.count(1)} passes of the auxiliary scans for one forward"
+        assert calls.count("staged") == (not general), f"{calls} (general kernels: {general})"
         assert rms_ratio(o, ref_o) < TOL
         _close(state, ref_state, "the final state")
 
@@ -146,13 +151,14 @@ S = (I - beta (n*k) k^T) exp(g) S + beta (n*k) (w*v)^T
 o = S^T q
 """
 # (spec, where chunk starts from): "whole" a whole state (every part differentiated), "S" the plain
-# S (auxiliary states from zero: the custom op), "kept" a whole state with keep_intermediates
-# (the general kernels); the others in -m slow
-GRAD_CASES = [("precond_deltanet", "whole"),
-              ("precond_kda", "kept"), ("mesa_aux", "whole"), ("stored_lets", "whole")]
+# S (auxiliary states from zero: the custom op), "kept" a whole state with keep_intermediates (the
+# staged kernels, the backward reading what the forward kept), "general" the same on the general
+# kernels (general_kernels); the others in -m slow
+GRAD_CASES = [("precond_deltanet", "whole"), ("precond_deltanet", "kept"),
+              ("precond_kda", "general"), ("mesa_aux", "whole"), ("stored_lets", "whole")]
 SLOW_GRAD_CASES = [("precond_kda", "whole"), ("gdn2_atk", "whole"), ("precond_deltanet", "S"),
-                   ("precond_kda", "S"), ("gdn2_atk", "S"), ("precond_deltanet", "kept"), ("gdn2_atk", "kept"),
-                   ("mesa", "whole"), ("mesa", "S"), ("mesa_aux", "S")]
+                   ("precond_kda", "S"), ("gdn2_atk", "S"), ("precond_deltanet", "general"), ("gdn2_atk", "general"),
+                   ("precond_kda", "kept"), ("gdn2_atk", "kept"), ("mesa", "whole"), ("mesa", "S"), ("mesa_aux", "S")]
 
 
 def test_lets_of_auxiliary_states_are_stored_by_the_aux_pass():
@@ -171,7 +177,8 @@ def _grad_mixer(name, start, compiled, monkeypatch):
         mixer = compiled(MESA) if name == "mesa" else lrdsl.compile(text=MESA_AUX)
         monkeypatch.setattr(mixer.kernels, "MESA_CHUNK", 16)  # short sequences cross chunks
         return mixer
-    return compiled(next(p for p in AUX_EXAMPLES if p.stem == name), keep_intermediates=start == "kept")
+    mixer = compiled(next(p for p in AUX_EXAMPLES if p.stem == name), keep_intermediates=start in ("kept", "general"))
+    return general_kernels(mixer, monkeypatch) if start == "general" else mixer
 
 
 @pytest.mark.parametrize("name, start", GRAD_CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_GRAD_CASES],
