@@ -356,7 +356,7 @@ def test_offline_solve_bf16(path, K):
 
     ref, got = grads(mixer.reference, torch.float64), grads(mixer.chunk, torch.bfloat16)
     errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
-    RESULTS.append((mixer.name, label, max(errs[n] for n in ("q", "k", "v")),
+    RESULTS.append((mixer.name, "chunk bwd", max(errs[n] for n in ("q", "k", "v")),
                     max([errs[n] for n in errs if n not in ("q", "k", "v", "h0")] or [0.0])))
     for n, e in errs.items():
         assert e < 2e-2, (n, e)
