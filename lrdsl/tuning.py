@@ -52,6 +52,7 @@ def _wrap(tuner) -> None:
 
 def _compile(fn, configs, args, kwargs) -> None:
     from triton.runtime._async_compile import AsyncCompileMode
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # the launch's, not the kernel's
     # ignore_errors: a config that cannot compile (shared memory, registers) fails again when the
     # autotuner launches it, which times it as infinitely slow, as without this
     with AsyncCompileMode(_pool(), ignore_errors=True):

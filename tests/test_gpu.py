@@ -465,11 +465,18 @@ def test_a_tuning_space_is_compiled_at_once_then_timed(tmp_path, monkeypatch):
     saved = tuner.configs, tuner.cache_results, tuner.run, tuner.check_disk_cache
     space = list(mod.TUNING_SPACE["staged_dk"])
     assert len(space) > 1
-    batches = []
+    batches = []  # kernels the pool compiled, per batch
     compile_all = tuning._compile
-    monkeypatch.setattr(tuning, "_compile", lambda fn, configs, a, k: (batches.append(len(configs)),
-                                                                       compile_all(fn, configs, a, k)))
-    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))  # no record on disk: the space is timed
+    kernels = tuner.fn.device_caches[torch.cuda.current_device()][0]
+
+    def counted(fn, configs, a, k):
+        before = len(kernels)
+        compile_all(fn, configs, a, k)
+        batches.append(len(kernels) - before)
+    monkeypatch.setattr(tuning, "_compile", counted)
+    # no record on disk and nothing compiled: the space is compiled, then timed
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    kernels.clear()
     tuner.configs, tuner.cache_results = space, True
     tuner.cache.clear()
     tuning._wrap(tuner)
