@@ -440,3 +440,51 @@ def test_autotuning_on_the_calls_tensors_leaves_gradients_alone(name):
         tuner.cache.clear()
     for n in first:
         assert rms_ratio(tuned[n], first[n]) < 1e-2, n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_a_tuning_space_is_compiled_at_once_then_timed(tmp_path, monkeypatch):
+    """lrdsl/tuning.py: where the autotuner has no record on disk, staged_dk's whole space is
+    compiled on the thread pool first (one batch of every config), then timed; the gradients are the
+    first config's (as in the test above)."""
+    import triton
+
+    from lrdsl import tuning
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", "gated_deltanet.lr"))
+    mod = mixer.kernels
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    x = draw(mixer, 2, 1024, 4, 4, 128, 128, torch.bfloat16, "cuda", gen)
+
+    def grads():
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o = mixer.chunk(**leaves)[0]
+        o.backward(torch.ones_like(o))
+        return {n: t.grad for n, t in leaves.items()}
+    first = grads()
+    tuner = mod.staged_dk
+    saved = tuner.configs, tuner.cache_results, tuner.run, tuner.check_disk_cache
+    space = list(mod.TUNING_SPACE["staged_dk"])
+    assert len(space) > 1
+    batches = []  # kernels the pool compiled, per batch
+    compile_all = tuning._compile
+    kernels = tuner.fn.device_caches[torch.cuda.current_device()][0]
+
+    def counted(fn, configs, a, k):
+        before = len(kernels)
+        compile_all(fn, configs, a, k)
+        batches.append(len(kernels) - before)
+    monkeypatch.setattr(tuning, "_compile", counted)
+    # no record on disk and nothing compiled: the space is compiled, then timed
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    kernels.clear()
+    tuner.configs, tuner.cache_results = space, True
+    tuner.cache.clear()
+    tuning._wrap(tuner)
+    try:
+        tuned = grads()
+    finally:  # the module is shared with the suite's other tests
+        tuner.configs, tuner.cache_results, tuner.run, tuner.check_disk_cache = saved
+        tuner.cache.clear()
+    assert batches == [len(space)]
+    for n in first:
+        assert rms_ratio(tuned[n], first[n]) < 1e-2, n

@@ -1,0 +1,71 @@
+"""lrdsl/tuning.py's plumbing, without a GPU: which configs are compiled before the autotuner times
+them, with which arguments, and when not at all (the compilation itself is tested on the GPU,
+tests/test_gpu.py::test_a_tuning_space_is_compiled_at_once_then_timed)."""
+from __future__ import annotations
+
+from lrdsl import tuning
+
+
+class FakeConfig:
+    def __init__(self, bv):
+        self.bv = bv
+
+    def all_kwargs(self):
+        return {"BV": self.bv, "num_warps": 4}
+
+
+class FakeKernel:
+    def __init__(self):
+        self.warmups = []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((args, grid, kwargs))
+
+
+class FakeTuner:
+    """The part of triton's Autotuner that tuning.py wraps: run, then check_disk_cache, which
+    calls bench only where it has no record."""
+
+    def __init__(self, configs, recorded):
+        self.fn, self.configs, self.recorded, self.benched = FakeKernel(), configs, recorded, 0
+
+    def run(self, *args, **kwargs):
+        self.check_disk_cache(("key",), self.configs, self.bench)
+        return "launched"
+
+    def check_disk_cache(self, key, configs, bench):
+        if not self.recorded:
+            bench()
+        return self.recorded
+
+    def bench(self):
+        self.benched += 1
+
+
+def test_every_config_is_compiled_with_the_launchs_arguments_before_it_is_timed():
+    tuner = FakeTuner([FakeConfig(32), FakeConfig(64)], recorded=False)
+    tuning._wrap(tuner)
+    assert tuner.run(1, "x", grid=(3,), warmup=False, H=4) == "launched"
+    assert tuner.benched == 1
+    assert [w[2] for w in tuner.fn.warmups] == [{"H": 4, "BV": 32, "num_warps": 4}, {"H": 4, "BV": 64, "num_warps": 4}]
+    assert all(w[0] == (1, "x") and w[1] == (1,) for w in tuner.fn.warmups)
+
+
+def test_nothing_is_compiled_ahead_with_a_record_on_disk_or_a_single_config():
+    for tuner in (FakeTuner([FakeConfig(32), FakeConfig(64)], recorded=True), FakeTuner([FakeConfig(32)], recorded=False)):
+        tuning._wrap(tuner)
+        tuner.run(1, grid=(1,), warmup=False)
+        assert tuner.fn.warmups == []
+
+
+def test_a_config_that_does_not_compile_is_left_to_the_autotuner():
+    tuner = FakeTuner([FakeConfig(32), FakeConfig(64)], recorded=False)
+
+    def warmup(*args, grid, **kwargs):
+        if kwargs["BV"] == 32:
+            raise RuntimeError("out of resources")
+        tuner.fn.warmups.append(kwargs["BV"])
+    tuner.fn.warmup = warmup
+    tuning._wrap(tuner)
+    tuner.run(grid=(1,), warmup=False)
+    assert tuner.fn.warmups == [64] and tuner.benched == 1
