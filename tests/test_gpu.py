@@ -414,16 +414,8 @@ def test_autotuning_on_the_calls_tensors_leaves_gradients_alone(name):
     the first config's (staged_dk adds to what staged_dq stored: without its restoring hooks each
     timed launch would add again)."""
     import triton
-    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.lr"))
+    mixer, grads = _gradients_of(name, seed=7)
     mod = mixer.kernels
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    x = draw(mixer, 2, 1024, 4, 4, 128, 128, torch.bfloat16, "cuda", gen)
-
-    def grads():
-        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-        o = mixer.chunk(**leaves)[0]
-        o.backward(torch.ones_like(o))
-        return {n: t.grad for n, t in leaves.items()}
     first = grads()
     tuner = mod.staged_dk
     saved = tuner.configs, tuner.cache_results
@@ -450,16 +442,8 @@ def test_a_tuning_space_is_compiled_at_once_then_timed(tmp_path, monkeypatch):
     import triton
 
     from lrdsl import tuning
-    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", "gated_deltanet.lr"))
+    mixer, grads = _gradients_of("gated_deltanet", seed=8)
     mod = mixer.kernels
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    x = draw(mixer, 2, 1024, 4, 4, 128, 128, torch.bfloat16, "cuda", gen)
-
-    def grads():
-        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-        o = mixer.chunk(**leaves)[0]
-        o.backward(torch.ones_like(o))
-        return {n: t.grad for n, t in leaves.items()}
     first = grads()
     tuner = mod.staged_dk
     saved = tuner.configs, tuner.cache_results, tuner.run, tuner.check_disk_cache
@@ -488,3 +472,17 @@ def test_a_tuning_space_is_compiled_at_once_then_timed(tmp_path, monkeypatch):
     assert batches == [len(space)]
     for n in first:
         assert rms_ratio(tuned[n], first[n]) < 1e-2, n
+
+
+def _gradients_of(name, seed):
+    """An example's mixer, and a function giving the gradients of sum(o) in every input for one
+    fixed draw (B=2 T=1024 H=4 K=V=128, bf16)."""
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.lr"))
+    x = draw(mixer, 2, 1024, 4, 4, 128, 128, torch.bfloat16, "cuda", torch.Generator(device="cuda").manual_seed(seed))
+
+    def grads():
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o = mixer.chunk(**leaves)[0]
+        o.backward(torch.ones_like(o))
+        return {n: t.grad for n, t in leaves.items()}
+    return mixer, grads
