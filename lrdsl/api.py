@@ -209,6 +209,8 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from . import offline
             return offline.chunk(self, batch)
+        if self._native_rank2(batch):
+            return self._chunk_rank2(batch)
         # the split's staged kernels, keeping their intermediates too with keep_intermediates (the split
         # mixer has this mixer's); wider keys take the original spec's general kernels
         if self.split is not None and batch.K <= self.split.kernels.STAGED_MAX_K:
@@ -230,6 +232,26 @@ class Mixer:
             if s is not None:
                 self._split._split = False  # its erase is along its write key: staged kernels
         return self._split or None
+
+    def _native_rank2(self, batch) -> bool:
+        """The native staged forward of a decay after the erase (plan.rank2, staged_rank2.py.jinja)
+        serves this call: no gradient is asked for (the backward keeps the split), keys within the
+        staged limit, and every input and the initial state finite (a non-finite entry takes the
+        split, whose kernels keep it causal; one check on the host)."""
+        import torch
+        k = self.kernels
+        if not hasattr(k, "rank2_fwd") or batch.K > k.STAGED_MAX_K:
+            return False
+        tensors = [*batch.tensors.values(), *([] if batch.initial_state is None else [batch.initial_state])]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return False
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+    def _chunk_rank2(self, batch):
+        from .autograd import host_args
+        names = list(self.ir.tensor_names)
+        inputs, h0, cu = host_args(names, [batch.tensors[n] for n in names], batch.initial_state, batch.cu_seqlens)
+        return self.kernels.rank2_fwd(inputs, batch.scale, h0, bool(batch.output_final_state), cu)
 
     def _chunk_split(self, batch):
         from .split import interleave, phases
