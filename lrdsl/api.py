@@ -237,13 +237,16 @@ class Mixer:
         """The native staged forward of a decay after the erase (plan.rank2, staged_rank2.py.jinja)
         serves this call: no gradient is asked for (the backward keeps the split), keys within the
         staged limit, and every input and the initial state finite (a non-finite entry takes the
-        split, whose kernels keep it causal; one check on the host)."""
+        split, whose kernels keep it causal; one check on the host, so not under torch.compile or
+        torch.func transforms: autograd.eager)."""
         import torch
+
+        from .autograd import eager
         k = self.kernels
         if not hasattr(k, "rank2_fwd") or batch.K > k.STAGED_MAX_K:
             return False
         tensors = [*batch.tensors.values(), *([] if batch.initial_state is None else [batch.initial_state])]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not eager(tensors):
             return False
         return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 

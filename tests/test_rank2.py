@@ -144,3 +144,15 @@ def test_gradients_keep_the_split(compiled, monkeypatch):
     x["q"].requires_grad_()
     o, _ = mixer.chunk(**x, **opts)
     assert not any(native) and split and o.requires_grad
+
+
+def test_torch_compile_keeps_the_split(compiled, monkeypatch):
+    """Under torch.compile (fullgraph: a graph break raises) the host check cannot run: the split's op."""
+    mixer = _kda_right(compiled)
+    native, _ = _counted(mixer, monkeypatch)
+    x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=8, initial_state=True, seed=31), DEVICE)
+    f = torch.compile(lambda t: mixer.chunk(**t, **opts)[0], backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        o = f(x)
+    assert not any(native)
+    assert rms_ratio(o, _reference(mixer, x, opts)[0]) < TOL
