@@ -88,6 +88,9 @@ class Plan:
     # Its forward (no gradient) takes the transition on BT-token chunks, where the split ran two
     # tokens per token; the backward keeps the split (lrdsl/split.py)
     rank2: bool = False
+    # the inputs that are the log-decay itself (a reset, -inf, is floored there as everywhere): the
+    # native forward takes -inf in them, where any other non-finite input takes the split
+    rank2_resets: tuple = ()
     staged_chunk: int = 64  # BT of the staged forward
     # the staged state pass may split the state's rows (key channels) over programs: no erase and
     # no expression that mixes key channels (an L2 norm of a key-side input)
@@ -415,6 +418,7 @@ def plan(m: ir.Mixer) -> Plan:
         staged_reason=not_staged + (SPLIT_NOTE if not_staged and split_ir(m) is not None else ""),
         staged_backward=not not_staged,
         rank2=_rank2(m),
+        rank2_resets=tuple(i.name for i in m.inputs if _rank2(m) and i.log and simplified(m.log_decay() - i.symbol) == 0),
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
         chain_rows=8 if m.aux else 32,  # aux specs: 16 rows took 255 registers (ptxas), 32 spilled

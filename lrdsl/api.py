@@ -236,9 +236,10 @@ class Mixer:
     def _native_rank2(self, batch) -> bool:
         """The native staged forward of a decay after the erase (plan.rank2, staged_rank2.py.jinja)
         serves this call: no gradient is asked for (the backward keeps the split), keys within the
-        staged limit, and every input and the initial state finite (a non-finite entry takes the
-        split, whose kernels keep it causal; one check on the host, so not under torch.compile or
-        torch.func transforms: autograd.eager)."""
+        staged limit, every input and the initial state finite but for resets (-inf in the
+        log-decay, floored there as on every path). A non-finite entry takes the split, whose
+        kernels keep it causal; the check is one wait for the device, so not under torch.compile
+        or torch.func transforms (autograd.eager)."""
         import torch
 
         from .autograd import eager
@@ -248,7 +249,10 @@ class Mixer:
         tensors = [*batch.tensors.values(), *([] if batch.initial_state is None else [batch.initial_state])]
         if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not eager(tensors):
             return False
-        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+        resets = [batch.tensors[n] for n in k.RANK2_RESETS]
+        finite = [torch.isfinite(t).all() for t in tensors if not any(t is r for r in resets)]
+        finite += [(~t.isnan() & (t < float("inf"))).all() for t in resets]  # -inf: a reset, floored
+        return bool(torch.stack(finite).all())
 
     def _chunk_rank2(self, batch):
         from .autograd import host_args

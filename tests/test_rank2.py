@@ -117,8 +117,8 @@ def test_a_decay_per_token():
         assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
-@pytest.mark.parametrize("bad", [("k", float("nan"), True), ("v", float("inf"), False), ("g", -float("inf"), True)],
-                         ids=["k-nan", "v-inf", "g-reset"])
+@pytest.mark.parametrize("bad", [("k", float("nan"), True), ("v", float("inf"), False), ("g", float("nan"), True)],
+                         ids=["k-nan", "v-inf", "g-nan"])
 def test_nonfinite_inputs_take_the_split(bad, compiled, monkeypatch):
     """A non-finite input: the host sends the call to the split, whose kernels keep it causal."""
     mixer = compiled(next(p for p in EXAMPLES if p.stem == "kda_decay_after_erase"), check_ranges=False)
@@ -126,15 +126,24 @@ def test_nonfinite_inputs_take_the_split(bad, compiled, monkeypatch):
     case = Case(B=1, T=110, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 20, 110), initial_state=True, seed=9)
     x, opts = draw_inputs(mixer, case, DEVICE)
     name, value, whole = bad
-    x = spoil(x, name, value, whole, 57)
-    if value == -float("inf"):  # a reset: finite everywhere, the reference's own check below
-        with torch.no_grad():
-            o, s = mixer.chunk(**x, **opts)
-        ref_o, ref_s = _reference(mixer, x, opts)
-        assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
-    else:
-        check_causal(mixer, x, opts, 57, monkeypatch, f"rank2 {name}")
+    check_causal(mixer, spoil(x, name, value, whole, 57), opts, 57, monkeypatch, f"rank2 {name}")
     assert not any(native) and split
+
+
+@pytest.mark.parametrize("where", [(57, True), (84, False)], ids=["whole-token", "one-channel"])
+def test_resets_take_the_native_forward(where, compiled, monkeypatch):
+    """-inf in the log-decay (a reset; plan.rank2_resets) is floored as on every path: native."""
+    mixer = _kda_right(compiled)
+    assert mixer.kernels.RANK2_RESETS == ("g",)
+    native, split = _counted(mixer, monkeypatch)
+    case = Case(B=1, T=110, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 20, 110), initial_state=True, seed=32)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    x = spoil(x, "g", -float("inf"), where[1], where[0])
+    with torch.no_grad():
+        o, s = mixer.chunk(**x, **opts)
+    assert len(native[0]) == 1 and not split
+    ref_o, ref_s = _reference(mixer, x, opts)
+    assert torch.isfinite(o).all() and rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
 def test_gradients_keep_the_split(compiled, monkeypatch):
