@@ -165,3 +165,39 @@ def test_torch_compile_keeps_the_split(compiled, monkeypatch):
         o = f(x)
     assert not any(native)
     assert rms_ratio(o, _reference(mixer, x, opts)[0]) < TOL
+
+
+VARIANTS = {
+    # gdn2's erase read and write value, the decay after the erase; the query unnormalised and scaled
+    "gdn2-right": "input q[K], k[K] l2norm, v[V], g[K] log, b[K] in (0, 1), w[V] in (0, 1)\n"
+                  "S = diag(exp(g)) (I - k (b*k)^T) S + k (w*v)^T\no = S^T (0.5 * q)\n",
+    # a decay given as a gate in (0, 1) per channel, keys of their own per value head, no normalisation
+    "gate-decay": "input q[K], k[K] unit, v[V], a[K] in (0, 1), beta in (0, 1)\n"
+                  "S = diag(a) (I - beta k k^T) S + beta k v^T\no = S^T q\n",
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_other_right_order_specs(variant, monkeypatch):
+    mixer = lrdsl.compile(text=f"mixer rank2_{variant.replace('-', '_')}\n" + VARIANTS[variant])
+    assert plan(mixer.ir).rank2 and mixer.ir.delta.order == "right"
+    native, split = _counted(mixer, monkeypatch)
+    case = Case(B=1, T=100, H=2, HV=4, K=20, V=12, cu_seqlens=(0, 33, 100), initial_state=True, seed=33)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    with torch.no_grad():
+        o, s = mixer.chunk(**x, **opts)
+    assert len(native[0]) == 1 and not split
+    ref_o, ref_s = _reference(mixer, x, opts)
+    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
+
+
+def test_fp16_inputs(compiled):
+    """fp16 inputs: fp32 intermediates (as the staged kernels keep them), o in fp16."""
+    mixer = _kda_right(compiled)
+    x, opts = draw_inputs(mixer, Case(B=1, T=70, H=2, HV=2, K=16, V=16, initial_state=True, seed=34), DEVICE)
+    x16 = {n: t.half() for n, t in x.items()}
+    with torch.no_grad():
+        o, s = mixer.chunk(**x16, **opts)
+    assert o.dtype == torch.float16 and s.dtype == torch.float32
+    ref_o, ref_s = _reference(mixer, {n: t.float() for n, t in x16.items()}, opts)
+    assert rms_ratio(o, ref_o) < 2e-3 and rms_ratio(s, ref_s) < 1e-4
