@@ -108,8 +108,22 @@ TWINS["gated_deltanet_gates"] = ("gated_delta_rule.chunk_gated_delta_rule", lamb
     q=x["q"], k=x["k"], v=x["v"], g=-x["A_log"].exp() * F.softplus(x["a"].float() + x["dt_bias"]),
     beta=torch.sigmoid(x["b"]), use_qk_l2norm_in_kernel=True))
 TWINS["gdn2_atk"] = TWINS["gdn2"]
-TWINS["kda_decay_after_erase"] = TWINS["kda"]
+# A decay per key channel after the erase, D (I - beta k k^T) S + beta k v^T = (D + b a^T) S + k' v'^T
+# with a = k, b = -beta exp(g) k: FLA's generalized (diagonal plus low rank) delta rule computes this
+# very transition (kda's erases before its decay, a different one). FLA has no in-kernel l2 norm
+# there: q, k are normalised, and b, beta v made, inside the timed call (as a user of FLA would)
+TWINS["kda_decay_after_erase"] = ("generalized_delta_rule.chunk_dplr_delta_rule", lambda x: _dplr_args(x))
 TWINS["mesa_retention"] = TWINS["mesa"]  # FLA's gated Mesa (fresh g), lamb from lamb_raw
+
+
+PRENORMALISED = "<q, k normalised>"  # a key no input name can be: twin() sets it for the args' functions
+
+
+def _dplr_args(x: dict) -> dict:
+    """chunk_dplr_delta_rule's arguments for kda_decay_after_erase's inputs (see TWINS)."""
+    unit = (lambda t: t) if x.get(PRENORMALISED) else _unit
+    q, k, beta, g = unit(x["q"]), unit(x["k"]), x["beta"].float()[..., None], x["g"].float()
+    return dict(q=q, k=k, v=(x["v"] * beta).to(x["v"].dtype), a=k, b=(-beta * g.exp() * k).to(k.dtype), gk=g)
 
 
 def twin(mixer):
@@ -129,7 +143,7 @@ def twin(mixer):
         return None
 
     def run(x, prenormalised=False):
-        full = dict(x)
+        full = dict(x, **{PRENORMALISED: prenormalised})
         q, v = x["q"], x["v"]
         for n, shape in (("g", q.shape[:3]), ("beta", q.shape[:3])):
             full.setdefault(n, torch.rand(shape, device=q.device) if n == "beta" else

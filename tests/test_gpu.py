@@ -407,6 +407,28 @@ def test_bench_gpu_time_counts_the_calls_kernels():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_bench_twin_of_the_decay_after_erase_computes_the_spec():
+    """`lrdsl bench` times kda_decay_after_erase beside FLA's chunk_dplr_delta_rule on arguments made
+    from the spec's inputs: FLA's kernel on them is the spec's float64 reference, as ours is (bf16,
+    within 1e-2: a transition erasing before its decay, as kda's, is off by orders more; FLA's
+    kernel's own precision is not what is tested here)."""
+    from lrdsl.bench import twin
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", "kda_decay_after_erase.lr"))
+    name, run = twin(mixer)
+    assert name == "generalized_delta_rule.chunk_dplr_delta_rule"
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = draw(mixer, 2, 1000, 4, 4, 128, 128, torch.bfloat16, "cuda", gen)
+    ref, _ = mixer.reference(**{n: t.double() for n, t in x.items()})
+    for prenormalised in (False, True):
+        given = dict(x, q=F.normalize(x["q"].float(), dim=-1).bfloat16(),
+                     k=F.normalize(x["k"].float(), dim=-1).bfloat16()) if prenormalised else x
+        err = rms_ratio(run(given, prenormalised=prenormalised), ref)
+        RESULTS.append((mixer.name, "FLA twin", err, 0.0))
+        assert err < 1e-2, (prenormalised, err)
+    assert rms_ratio(mixer.chunk(**x)[0], ref) < 5e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 @pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
 def test_autotuning_on_the_calls_tensors_leaves_gradients_alone(name):
     """The suite runs each kernel's first config (LRDSL_AUTOTUNE=0); here staged_dk tunes over its

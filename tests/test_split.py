@@ -100,3 +100,27 @@ def test_keep_intermediates_keeps_the_splits_staged_intermediates(monkeypatch):
                                            initial_state=True, seed=6))
     assert not failures, errors
     assert len(calls) == 1, f"{len(calls)} passes of stages 1 to 3 for one forward and backward"
+
+
+def test_bench_twin_of_the_decay_after_erase_is_the_same_transition():
+    """`lrdsl bench` times kda_decay_after_erase beside FLA's generalized delta rule (chunk_dplr_delta_rule)
+    on arguments made from the spec's inputs; FLA's naive recurrence of that rule (a test-only oracle),
+    fed those arguments, is the spec's float64 reference to fp32's precision (plain and with q, k normalised beforehand)."""
+    from fla.ops.generalized_delta_rule.dplr.naive import dplr_recurrence
+
+    from lrdsl.bench import PRENORMALISED, TWINS
+    name, args = TWINS["kda_decay_after_erase"]
+    assert name == "generalized_delta_rule.chunk_dplr_delta_rule"
+    mixer = _mixer("kda_decay_after_erase")
+    case = Case(B=2, T=37, H=3, HV=3, K=8, V=6, initial_state=True, seed=8)
+    x, opts = draw_inputs(mixer, case, "cpu")
+    x = {n: t.double() for n, t in x.items()}
+    h0 = opts["initial_state"].double()
+    ref_o, ref_s = mixer.reference(**x, scale=case.K ** -0.5, initial_state=h0, output_final_state=True)
+    unit = {n: torch.nn.functional.normalize(x[n], dim=-1) for n in ("q", "k")}
+    for given, prenormalised in ((x, False), (dict(x, **unit), True)):
+        kw = args(dict(given, **{PRENORMALISED: prenormalised}))
+        # the naive recurrence computes in fp32 whatever it is given
+        heads_first = [kw[n].transpose(1, 2).float() for n in ("q", "k", "v", "a", "b", "gk")]
+        o, s = dplr_recurrence(*heads_first, initial_state=h0.float(), output_final_state=True)
+        assert rms_ratio(o.transpose(1, 2), ref_o) < 1e-5 and rms_ratio(s, ref_s) < 1e-5
