@@ -235,16 +235,18 @@ class Mixer:
 
     def _native_rank2(self, batch) -> bool:
         """The native staged forward of a decay after the erase (plan.rank2, staged_rank2.py.jinja)
-        serves this call: no gradient is asked for (the backward keeps the split), keys within the
-        staged limit, every input and the initial state finite but for resets (-inf in the
-        log-decay, floored there as on every path). A non-finite entry takes the split, whose
-        kernels keep it causal; the check is one wait for the device, so not under torch.compile
-        or torch.func transforms (autograd.eager)."""
+        serves this call: asked for (LRDSL_NATIVE_RANK2=1: on the H200 it holds half the split's
+        forward memory but takes 1.18x its time, twentieth session), no gradient asked for (the
+        backward keeps the split), keys within the staged limit, every input and the initial state
+        finite but for resets (-inf in the log-decay, floored there as on every path). A non-finite
+        entry takes the split, whose kernels keep it causal; the check is one wait for the device,
+        so not under torch.compile or torch.func transforms (autograd.eager)."""
         import torch
 
         from .autograd import eager
+        import os
         k = self.kernels
-        if not hasattr(k, "rank2_fwd") or batch.K > k.STAGED_MAX_K:
+        if os.environ.get("LRDSL_NATIVE_RANK2") != "1" or not hasattr(k, "rank2_fwd") or batch.K > k.STAGED_MAX_K:
             return False
         tensors = [*batch.tensors.values(), *([] if batch.initial_state is None else [batch.initial_state])]
         if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not eager(tensors):

@@ -174,9 +174,10 @@ def test_edge_sizes(name, K, V, dtype):
 @pytest.mark.parametrize("strength,varlen", [(1.0, False), (20.0, False), (3.0, True)],
                          ids=["drawn-decays", "exact-blocks", "varlen-mixed"])
 def test_native_forward_of_a_decay_after_the_erase(strength, varlen, monkeypatch):
-    """kda_decay_after_erase's own staged forward (plan.rank2; no gradient asked for), bf16: decays
+    """kda_decay_after_erase's own staged forward (plan.rank2, LRDSL_NATIVE_RANK2=1; no gradient asked for), bf16: decays
     as drawn, per-token log-decays down to -20 (16-token blocks past exp(-60): the exact path) and a
     mix over varlen sequences, against the float64 reference."""
+    monkeypatch.setenv("LRDSL_NATIVE_RANK2", "1")  # opt-in
     mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", "kda_decay_after_erase.lr"))
     calls, fwd = [], mixer.kernels.rank2_fwd
     monkeypatch.setattr(mixer.kernels, "rank2_fwd", lambda *a, **k: calls.append(1) or fwd(*a, **k))

@@ -1,5 +1,6 @@
 """The native staged forward of a decay after the erase (plan.rank2, templates/staged_rank2.py.jinja):
-Mixer.chunk without gradients runs it on 64-token chunks instead of the split (two tokens per token).
+asked for (LRDSL_NATIVE_RANK2=1), Mixer.chunk without gradients runs it on 64-token chunks instead of
+the split (two tokens per token).
 Each test counts the launches: the native kernels ran and the split's did not (or the other way
 round where the split must serve). Float64 reference, rms(a - b) / rms(b) < TOL, fresh inputs."""
 from __future__ import annotations
@@ -34,6 +35,22 @@ CASES = {
     "T63-K24-V40": Case(B=1, T=63, H=1, HV=1, K=24, V=40, seed=24),
     "T130-HV3": Case(B=1, T=130, H=1, HV=3, K=16, V=16, initial_state=True, seed=25),
 }
+
+
+@pytest.fixture(autouse=True)
+def native(monkeypatch):
+    """The native forward is opt-in (LRDSL_NATIVE_RANK2=1): slower than the split on the H200 so far."""
+    monkeypatch.setenv("LRDSL_NATIVE_RANK2", "1")
+
+
+def test_the_split_serves_unless_asked(compiled, monkeypatch):
+    monkeypatch.delenv("LRDSL_NATIVE_RANK2")
+    mixer = _kda_right(compiled)
+    native, split = _counted(mixer, monkeypatch)
+    x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=8, initial_state=True, seed=35), DEVICE)
+    with torch.no_grad():
+        o, _ = mixer.chunk(**x, **opts)
+    assert not any(native) and split and rms_ratio(o, _reference(mixer, x, opts)[0]) < TOL
 
 
 def _kda_right(compiled):
