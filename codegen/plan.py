@@ -83,6 +83,14 @@ class Plan:
     staged_reason: str = ""  # why not, for the generated module's header
     staged_backward: bool = False  # the backward takes the staged kernels too
     staged_max_k: int = 128  # wider keys take the general kernels
+    # the native staged forward of a decay after the erase (staged_rank2.py.jinja): order "right",
+    # the erase along the write key, a decay per token or per key channel, no auxiliary states.
+    # Its forward (no gradient) takes the transition on BT-token chunks, where the split ran two
+    # tokens per token; the backward keeps the split (lrdsl/split.py)
+    rank2: bool = False
+    # the inputs that are the log-decay itself (a reset, -inf, is floored there as everywhere): the
+    # native forward takes -inf in them, where any other non-finite input takes the split
+    rank2_resets: tuple = ()
     staged_chunk: int = 64  # BT of the staged forward
     # the staged state pass may split the state's rows (key channels) over programs: no erase and
     # no expression that mixes key channels (an L2 norm of a key-side input)
@@ -409,6 +417,8 @@ def plan(m: ir.Mixer) -> Plan:
         staged=not not_staged,
         staged_reason=not_staged + (SPLIT_NOTE if not_staged and split_ir(m) is not None else ""),
         staged_backward=not not_staged,
+        rank2=_rank2(m),
+        rank2_resets=tuple(i.name for i in m.inputs if _rank2(m) and i.log and simplified(m.log_decay() - i.symbol) == 0),
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
         chain_rows=8 if m.aux else 32,  # aux specs: 16 rows took 255 registers (ptxas), 32 spilled
@@ -422,6 +432,15 @@ def plan(m: ir.Mixer) -> Plan:
         staged_reads_aux=len(m.aux) > 1 or bool(_body_symbols(m) & {a.name for a in m.aux}),
         aux_log_decay=tuple(_aux_log_decay(m, a) for a in m.aux),
     )
+
+
+def _rank2(m: ir.Mixer) -> bool:
+    """plan.rank2: S_t = D_t (I - a_t c_t^T) S_{t-1} + u_t z_t^T with a = u, D one number or one per
+    key channel per token, and nothing the staged forward leaves out (auxiliary states, the offline
+    solve, an L2 norm over the value channels)."""
+    return (m.delta is not None and m.delta.order == "right" and simplified(m.delta.a - m.write.key) == 0
+            and m.decay.kind in ("scalar", "diagonal") and not m.aux and m.solve_lam is None
+            and not any(i.l2norm and i.kind == "V" for i in m.inputs))
 
 
 def _raw_operands(m: ir.Mixer) -> tuple:

@@ -209,6 +209,8 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from . import offline
             return offline.chunk(self, batch)
+        if self._native_rank2(batch):
+            return self._chunk_rank2(batch)
         # the split's staged kernels, keeping their intermediates too with keep_intermediates (the split
         # mixer has this mixer's); wider keys take the original spec's general kernels
         if self.split is not None and batch.K <= self.split.kernels.STAGED_MAX_K:
@@ -230,6 +232,35 @@ class Mixer:
             if s is not None:
                 self._split._split = False  # its erase is along its write key: staged kernels
         return self._split or None
+
+    def _native_rank2(self, batch) -> bool:
+        """The native staged forward of a decay after the erase (plan.rank2, staged_rank2.py.jinja)
+        serves this call: asked for (LRDSL_NATIVE_RANK2=1: on the H200 it holds half the split's
+        forward memory but takes 1.18x its time, twentieth session), no gradient asked for (the
+        backward keeps the split), keys within the staged limit, every input and the initial state
+        finite but for resets (-inf in the log-decay, floored there as on every path). A non-finite
+        entry takes the split, whose kernels keep it causal; the check is one wait for the device,
+        so not under torch.compile or torch.func transforms (autograd.eager)."""
+        import torch
+
+        from .autograd import eager
+        import os
+        k = self.kernels
+        if os.environ.get("LRDSL_NATIVE_RANK2") != "1" or not hasattr(k, "rank2_fwd") or batch.K > k.STAGED_MAX_K:
+            return False
+        tensors = [*batch.tensors.values(), *([] if batch.initial_state is None else [batch.initial_state])]
+        if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not eager(tensors):
+            return False
+        resets = [batch.tensors[n] for n in k.RANK2_RESETS]
+        finite = [torch.isfinite(t).all() for t in tensors if not any(t is r for r in resets)]
+        finite += [(~t.isnan() & (t < float("inf"))).all() for t in resets]  # -inf: a reset, floored
+        return bool(torch.stack(finite).all())
+
+    def _chunk_rank2(self, batch):
+        from .autograd import host_args
+        names = list(self.ir.tensor_names)
+        inputs, h0, cu = host_args(names, [batch.tensors[n] for n in names], batch.initial_state, batch.cu_seqlens)
+        return self.kernels.rank2_fwd(inputs, batch.scale, h0, bool(batch.output_final_state), cu)
 
     def _chunk_split(self, batch):
         from .split import interleave, phases

@@ -225,9 +225,12 @@ def kernels_text(m) -> str:
     if s is None:
         return f"chunk      the general kernels (templates/chunk.py.jinja): {p.staged_reason}\n" + decode
     from . import printer
+    native = ("           with LRDSL_NATIVE_RANK2=1, without gradients (finite inputs): the native staged\n"
+              f"           forward on {p.staged_chunk}-token chunks (templates/staged_rank2.py.jinja; less memory,\n"
+              "           slower so far)\n")
     update = next(line for line in printer.explicit(s).splitlines() if line.startswith("S = "))
     return ("chunk      split (lrdsl/split.py): the staged kernels on two tokens per token (phase 0, 1) of\n"
-            f"           {update}\n" + wide + decode)
+            f"           {update}\n" + (native if p.rank2 else "") + wide + decode)
 
 
 def cmd_check(args) -> int:

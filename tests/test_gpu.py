@@ -171,6 +171,32 @@ def test_edge_sizes(name, K, V, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("strength,varlen", [(1.0, False), (20.0, False), (3.0, True)],
+                         ids=["drawn-decays", "exact-blocks", "varlen-mixed"])
+def test_native_forward_of_a_decay_after_the_erase(strength, varlen, monkeypatch):
+    """kda_decay_after_erase's own staged forward (plan.rank2, LRDSL_NATIVE_RANK2=1; no gradient asked for), bf16: decays
+    as drawn, per-token log-decays down to -20 (16-token blocks past exp(-60): the exact path) and a
+    mix over varlen sequences, against the float64 reference."""
+    monkeypatch.setenv("LRDSL_NATIVE_RANK2", "1")  # opt-in
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", "kda_decay_after_erase.lr"))
+    calls, fwd = [], mixer.kernels.rank2_fwd
+    monkeypatch.setattr(mixer.kernels, "rank2_fwd", lambda *a, **k: calls.append(1) or fwd(*a, **k))
+    B, T, H, K, V = (1, 1500, 4, 128, 128) if varlen else (2, 1000, 4, 128, 128)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    if strength != 1.0:
+        x["g"] = (-strength * torch.rand(x["g"].shape, generator=gen, device="cuda")).to(x["g"].dtype)
+    cu = torch.tensor([0, 1, 700, 1500], device="cuda") if varlen else None
+    h0 = torch.randn(3 if varlen else B, H, K, V, generator=gen, device="cuda")
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=h0.double(),
+                                   output_final_state=True, cu_seqlens=cu)
+    o, s = mixer.chunk(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    eo, es = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
+    RESULTS.append((mixer.name, "native fwd", eo, es))
+    assert calls == [1] and eo < 5e-3 and es < 5e-3, (calls, eo, es)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 @pytest.mark.parametrize("name", ["novel_test_only", "erase_other", "right_scalar"])
 def test_novel_spec_written_for_the_tests_gpu(name):
     """tests/specs/<name>.lr (not in examples/; all three run split, lrdsl/split.py): bf16, chunk
