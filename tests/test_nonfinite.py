@@ -151,6 +151,26 @@ def test_nonfinite_input_reaches_no_earlier_token(mixer_id, bad, where, semantic
     check_causal(mixer, spoil(x, name, value, whole, row), opts, row, monkeypatch, f"{mixer_id} {bad} {where}")
 
 
+# nan in one key channel of a per-channel decay, not the whole token: a 16-token block then decays
+# by nan in that channel only, which tl.max over the channels dropped on a GPU, so the block took
+# the tensor-core path and its products spread the nan to its earlier tokens. "-native": the
+# native forward of a decay after the erase (LRDSL_NATIVE_RANK2=1)
+CHANNEL = ["gla", "kda", "kda_decay_after_erase", "kda_decay_after_erase-native"]
+
+
+@pytest.mark.parametrize("semantics", SEMANTICS, indirect=True)
+@pytest.mark.parametrize("mixer_id", [pytest.param(m, marks=() if m in ("gla", "kda_decay_after_erase-native") else
+                                                   pytest.mark.slow) for m in CHANNEL])
+def test_nan_in_one_key_channel_of_the_decay_reaches_no_earlier_token(mixer_id, semantics, compiled, monkeypatch):
+    if mixer_id.endswith("-native"):
+        monkeypatch.setenv("LRDSL_NATIVE_RANK2", "1")
+    mixer = compiled(spec_path(mixer_id.removesuffix("-native")), check_ranges=False)
+    case = Case(B=1, T=110, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 20, 110), initial_state=True, seed=10)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    row = 20 + 57  # inside the 16-token block from 48 of the second sequence
+    check_causal(mixer, spoil(x, "g", math.nan, False, row), opts, row, monkeypatch, f"{mixer_id} g-nan in one channel")
+
+
 def test_causal_nonfinite_off_spreads_nan_over_the_chunk(monkeypatch):
     """Canary for the test above: with the plan's causal_nonfinite off the products are plain and a
     nan at token 37 reaches the tokens before it (so the test can fail)."""
