@@ -418,7 +418,7 @@ def plan(m: ir.Mixer) -> Plan:
         staged_reason=not_staged + (SPLIT_NOTE if not_staged and split_ir(m) is not None else ""),
         staged_backward=not not_staged,
         rank2=_rank2(m),
-        rank2_resets=tuple(i.name for i in m.inputs if _rank2(m) and i.log and simplified(m.log_decay() - i.symbol) == 0),
+        rank2_resets=_rank2_resets(m),
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
         chain_rows=8 if m.aux else 32,  # aux specs: 16 rows took 255 registers (ptxas), 32 spilled
@@ -441,6 +441,13 @@ def _rank2(m: ir.Mixer) -> bool:
     return (m.delta is not None and m.delta.order == "right" and simplified(m.delta.a - m.write.key) == 0
             and m.decay.kind in ("scalar", "diagonal") and not m.aux and m.solve_lam is None
             and not any(i.l2norm and i.kind == "V" for i in m.inputs))
+
+
+def _rank2_resets(m: ir.Mixer) -> tuple:
+    """plan.rank2_resets: the inputs that are the log-decay itself, where plan.rank2."""
+    if not _rank2(m):
+        return ()
+    return tuple(i.name for i in m.inputs if i.log and simplified(m.log_decay() - i.symbol) == 0)
 
 
 def _raw_operands(m: ir.Mixer) -> tuple:

@@ -97,8 +97,13 @@ def test_raw_operands_with_per_token_factors(decay):
 
 
 def test_fp16_inputs(compiled):
-    mixer = compiled(next(p for p in EXAMPLES if p.stem == "gated_deltanet"))
-    x, opts = draw_inputs(mixer, Case(B=1, T=40, H=2, HV=2, K=16, V=16, seed=8), DEVICE)
+    check_fp16(compiled(next(p for p in EXAMPLES if p.stem == "gated_deltanet")),
+               Case(B=1, T=40, H=2, HV=2, K=16, V=16, seed=8))
+
+
+def check_fp16(mixer, case):
+    """fp16 inputs: fp32 intermediates (as the staged kernels keep them) and state, o in fp16."""
+    x, opts = draw_inputs(mixer, case, DEVICE)
     x16 = {n: t.half() for n, t in x.items()}
     with torch.no_grad():
         o, s = mixer.chunk(**x16, **opts)

@@ -15,6 +15,7 @@ from lrdsl.api import Mixer
 from lrdsl.codegen.plan import plan
 from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
 from test_backward import count_launches
+from test_chunk import check_fp16, reference
 from test_nonfinite import check_causal, spoil
 from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules
 
@@ -50,7 +51,7 @@ def test_the_split_serves_unless_asked(compiled, monkeypatch):
     x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=8, initial_state=True, seed=35), DEVICE)
     with torch.no_grad():
         o, _ = mixer.chunk(**x, **opts)
-    assert not any(native) and split and rms_ratio(o, _reference(mixer, x, opts)[0]) < TOL
+    assert not any(native) and split and rms_ratio(o, reference(mixer, x, opts)[0]) < TOL
 
 
 def _kda_right(compiled):
@@ -62,12 +63,6 @@ def _counted(mixer, monkeypatch):
     native = [count_launches(monkeypatch, mixer.kernels, n) for n in NATIVE]
     split = count_launches(monkeypatch, mixer.split.kernels, "staged_state") if mixer.split is not None else []
     return native, split
-
-
-def _reference(mixer, x, opts):
-    h0 = opts["initial_state"]
-    return mixer.reference(**{n: t.double() for n, t in x.items()},
-                           **dict(opts, initial_state=None if h0 is None else h0.double()))
 
 
 def test_plan_flag_and_kernels(compiled):
@@ -95,7 +90,7 @@ def test_native_forward_matches_reference(case_id, compiled, monkeypatch):
         o, s = mixer.chunk(**x, **opts)
     assert all(len(n) == 1 for n in native) and not split
     assert poison.poisoned >= 10
-    ref_o, ref_s = _reference(mixer, x, opts)
+    ref_o, ref_s = reference(mixer, x, opts)
     assert not o.isnan().any() and not s.isnan().any()
     e_o, e_s = rms_ratio(o, ref_o), rms_ratio(s, ref_s)
     assert e_o < TOL and e_s < TOL, f"{case_id}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
@@ -113,7 +108,7 @@ def test_strong_decays(strength, compiled, monkeypatch):
         o, s = mixer.chunk(**x, **opts)
     assert len(native[0]) == 1 and not split
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    ref_o, ref_s = _reference(mixer, x, opts)
+    ref_o, ref_s = reference(mixer, x, opts)
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
@@ -130,7 +125,7 @@ def test_a_decay_per_token():
             x["g"] = (strength * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(29))).to(DEVICE)
         with torch.no_grad():
             o, s = mixer.chunk(**x, **opts)
-        ref_o, ref_s = _reference(left, x, opts)
+        ref_o, ref_s = reference(left, x, opts)
         assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
@@ -159,7 +154,7 @@ def test_resets_take_the_native_forward(where, compiled, monkeypatch):
     with torch.no_grad():
         o, s = mixer.chunk(**x, **opts)
     assert len(native[0]) == 1 and not split
-    ref_o, ref_s = _reference(mixer, x, opts)
+    ref_o, ref_s = reference(mixer, x, opts)
     assert torch.isfinite(o).all() and rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
@@ -181,7 +176,7 @@ def test_torch_compile_keeps_the_split(compiled, monkeypatch):
     with torch.no_grad():
         o = f(x)
     assert not any(native)
-    assert rms_ratio(o, _reference(mixer, x, opts)[0]) < TOL
+    assert rms_ratio(o, reference(mixer, x, opts)[0]) < TOL
 
 
 VARIANTS = {
@@ -204,17 +199,13 @@ def test_other_right_order_specs(variant, monkeypatch):
     with torch.no_grad():
         o, s = mixer.chunk(**x, **opts)
     assert len(native[0]) == 1 and not split
-    ref_o, ref_s = _reference(mixer, x, opts)
+    ref_o, ref_s = reference(mixer, x, opts)
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
-def test_fp16_inputs(compiled):
-    """fp16 inputs: fp32 intermediates (as the staged kernels keep them), o in fp16."""
+def test_fp16_inputs(compiled, monkeypatch):
+    """fp16 inputs through the native forward (test_chunk.check_fp16)."""
     mixer = _kda_right(compiled)
-    x, opts = draw_inputs(mixer, Case(B=1, T=70, H=2, HV=2, K=16, V=16, initial_state=True, seed=34), DEVICE)
-    x16 = {n: t.half() for n, t in x.items()}
-    with torch.no_grad():
-        o, s = mixer.chunk(**x16, **opts)
-    assert o.dtype == torch.float16 and s.dtype == torch.float32
-    ref_o, ref_s = _reference(mixer, {n: t.float() for n, t in x16.items()}, opts)
-    assert rms_ratio(o, ref_o) < 2e-3 and rms_ratio(s, ref_s) < 1e-4
+    native, _ = _counted(mixer, monkeypatch)
+    check_fp16(mixer, Case(B=1, T=70, H=2, HV=2, K=16, V=16, initial_state=True, seed=34))
+    assert all(native)
