@@ -112,12 +112,13 @@ def test_strong_decays(strength, compiled, monkeypatch):
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
-def test_a_decay_per_token():
+def test_a_decay_per_token(monkeypatch):
     """The scalar branch (whole [BT, BT] tiles), on a right-order IR made by hand."""
     left = lrdsl.compile(text=SCALAR, load_kernels=False)
     right = dataclasses.replace(left.ir, delta=dataclasses.replace(left.ir.delta, order="right"))
     assert left.ir.delta.order == "left" and plan(right).rank2 and plan(right).decay_kind == "scalar"
     mixer = Mixer(right)
+    native, split = _counted(mixer, monkeypatch)
     case = Case(B=1, T=150, H=2, HV=4, K=20, V=12, cu_seqlens=(0, 37, 150), initial_state=True, seed=28)
     for strength in (None, -20.0):
         x, opts = draw_inputs(mixer, case, DEVICE)
@@ -127,6 +128,7 @@ def test_a_decay_per_token():
             o, s = mixer.chunk(**x, **opts)
         ref_o, ref_s = reference(left, x, opts)
         assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
+    assert len(native[0]) == 2 and not split
 
 
 @pytest.mark.parametrize("bad", [("k", float("nan"), True), ("v", float("inf"), False), ("g", float("nan"), True)],
