@@ -392,6 +392,7 @@ def plan(m: ir.Mixer) -> Plan:
     loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm, *_bounds(i)) for i in m.inputs)
     loads += tuple(Load(p.name, var(p.name), p.kind, False, False, *_bounds(p), per_head=True) for p in m.params)
     not_staged = _not_staged(m)
+    rank2 = _rank2(m)
     raw = _raw_operands(m) if not not_staged else ()
     aux_lets = _aux_lets(m)
     summary = (f"mixer {m.name}",
@@ -417,8 +418,8 @@ def plan(m: ir.Mixer) -> Plan:
         staged=not not_staged,
         staged_reason=not_staged + (SPLIT_NOTE if not_staged and split_ir(m) is not None else ""),
         staged_backward=not not_staged,
-        rank2=_rank2(m),
-        rank2_resets=_rank2_resets(m),
+        rank2=rank2,
+        rank2_resets=_log_decay_inputs(m) if rank2 else (),
         state_split_k=m.delta is None and not any(i.l2norm and i.kind == "K" for i in m.inputs),
         chain=chain(m) if not not_staged else None,
         chain_rows=8 if m.aux else 32,  # aux specs: 16 rows took 255 registers (ptxas), 32 spilled
@@ -443,10 +444,8 @@ def _rank2(m: ir.Mixer) -> bool:
             and not any(i.l2norm and i.kind == "V" for i in m.inputs))
 
 
-def _rank2_resets(m: ir.Mixer) -> tuple:
-    """plan.rank2_resets: the inputs that are the log-decay itself, where plan.rank2."""
-    if not _rank2(m):
-        return ()
+def _log_decay_inputs(m: ir.Mixer) -> tuple:
+    """The inputs that are the log-decay itself (plan.rank2_resets)."""
     return tuple(i.name for i in m.inputs if i.log and simplified(m.log_decay() - i.symbol) == 0)
 
 

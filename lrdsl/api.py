@@ -241,13 +241,12 @@ class Mixer:
         finite but for resets (-inf in the log-decay, floored there as on every path). A non-finite
         entry takes the split, whose kernels keep it causal; the check is one wait for the device,
         so not under torch.compile or torch.func transforms (autograd.eager)."""
-        import torch
-
-        from .autograd import eager
-        import os
         k = self.kernels
         if os.environ.get("LRDSL_NATIVE_RANK2") != "1" or not hasattr(k, "rank2_fwd") or batch.K > k.STAGED_MAX_K:
             return False
+        import torch
+
+        from .autograd import eager
         tensors = [*batch.tensors.values(), *([] if batch.initial_state is None else [batch.initial_state])]
         if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not eager(tensors):
             return False

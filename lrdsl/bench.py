@@ -70,6 +70,16 @@ def _unit(x):
     return F.normalize(x.float(), dim=-1).to(x.dtype)
 
 
+PRENORMALISED = "<q, k normalised>"  # a key no input name can be: twin() sets it for the args' functions
+
+
+def _dplr_args(x: dict) -> dict:
+    """chunk_dplr_delta_rule's arguments for kda_decay_after_erase's inputs (see TWINS)."""
+    unit = (lambda t: t) if x.get(PRENORMALISED) else _unit
+    q, k, beta, g = unit(x["q"]), unit(x["k"]), x["beta"].float()[..., None], x["g"].float()
+    return dict(q=q, k=k, v=(x["v"] * beta).to(x["v"].dtype), a=k, b=(-beta * g.exp() * k).to(k.dtype), gk=g)
+
+
 # example name -> (FLA op, how it reads the inputs)
 TWINS = {
     "linear_attention": ("linear_attn.chunk_linear_attn", lambda x: dict(q=x["q"], k=x["k"], v=x["v"], normalize=False)),
@@ -112,18 +122,8 @@ TWINS["gdn2_atk"] = TWINS["gdn2"]
 # with a = k, b = -beta exp(g) k: FLA's generalized (diagonal plus low rank) delta rule computes this
 # very transition (kda's erases before its decay, a different one). FLA has no in-kernel l2 norm
 # there: q, k are normalised, and b, beta v made, inside the timed call (as a user of FLA would)
-TWINS["kda_decay_after_erase"] = ("generalized_delta_rule.chunk_dplr_delta_rule", lambda x: _dplr_args(x))
+TWINS["kda_decay_after_erase"] = ("generalized_delta_rule.chunk_dplr_delta_rule", _dplr_args)
 TWINS["mesa_retention"] = TWINS["mesa"]  # FLA's gated Mesa (fresh g), lamb from lamb_raw
-
-
-PRENORMALISED = "<q, k normalised>"  # a key no input name can be: twin() sets it for the args' functions
-
-
-def _dplr_args(x: dict) -> dict:
-    """chunk_dplr_delta_rule's arguments for kda_decay_after_erase's inputs (see TWINS)."""
-    unit = (lambda t: t) if x.get(PRENORMALISED) else _unit
-    q, k, beta, g = unit(x["q"]), unit(x["k"]), x["beta"].float()[..., None], x["g"].float()
-    return dict(q=q, k=k, v=(x["v"] * beta).to(x["v"].dtype), a=k, b=(-beta * g.exp() * k).to(k.dtype), gk=g)
 
 
 def twin(mixer):
