@@ -11,6 +11,7 @@ inputs hold, during one call; with the backward also what the forward leaves all
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,15 @@ def _fla(name: str):
     chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated backward on triton 3.6 (#640)
     path, fn = name.rsplit(".", 1)
     return getattr(importlib.import_module("fla.ops." + path), fn)
+
+
+def _fla_compiles_at_once() -> None:
+    """FLA's autotuners compile their configs one after the other on their first launch (about two
+    minutes per op on a fresh machine); as lrdsl's own kernels, they compile on a thread pool first.
+    What they time and choose is unchanged. LRDSL_COMPILE_THREADS=0 leaves them alone."""
+    if os.environ.get("LRDSL_COMPILE_THREADS", "1") != "0" and not os.environ.get("TRITON_INTERPRET"):
+        from .tuning import compile_loaded_autotuners
+        compile_loaded_autotuners("fla")
 
 
 def _unit(x):
@@ -239,6 +249,7 @@ def bench(mixer, s: Shape, backward: bool = False, with_twin: bool = True, log=p
     if tw is not None:
         row["twin"] = tw[0]
         try:
+            _fla_compiles_at_once()
             row["fla"] = measure(tw[1], x, s, backward)
             log(f"  {mixer.name}: fla {tw[0]} {row['fla']}")
             if _prenormalisable(mixer):

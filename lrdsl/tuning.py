@@ -11,6 +11,7 @@ record on disk (it compiles the chosen config alone) or where a space has one co
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 _POOL: list = []
@@ -29,7 +30,29 @@ def compile_spaces_at_once(module) -> None:
         _wrap(getattr(module, name))
 
 
-def _wrap(tuner) -> None:
+def compile_loaded_autotuners(package: str) -> int:
+    """Wrap as above every Triton autotuner defined at the top level of the loaded modules of
+    `package` (also under heuristics), once; returns how many are wrapped. `lrdsl bench` uses it
+    on FLA's modules: their spaces are large and their configs, their timing and so their choices
+    stay FLA's; only the compilation moves onto the pool."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == package or name.startswith(package + ".")):
+            continue
+        for obj in list(vars(mod).values()):
+            for _ in range(4):  # heuristics over an autotuner over a jit function, or the reverse
+                if isinstance(obj, Autotuner):
+                    n += _wrap(obj)
+                obj = getattr(obj, "fn", None) if isinstance(obj, KernelInterface) else None
+    return n
+
+
+def _wrap(tuner) -> int:
+    if getattr(tuner, "_lrdsl_compiles_at_once", False):  # a kernel imported by several modules
+        return 0
+    tuner._lrdsl_compiles_at_once = True
     run, check = tuner.run, tuner.check_disk_cache
     call: dict = {}
 
@@ -48,6 +71,7 @@ def _wrap(tuner) -> None:
         return check(tuning_key, configs, compiled_then_bench)
 
     tuner.run, tuner.check_disk_cache = run_, check_
+    return 1
 
 
 def _compile(fn, configs, args, kwargs) -> None:

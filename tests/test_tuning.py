@@ -69,3 +69,30 @@ def test_a_config_that_does_not_compile_is_left_to_the_autotuner():
     tuning._wrap(tuner)
     tuner.run(grid=(1,), warmup=False)
     assert tuner.fn.warmups == [64] and tuner.benched == 1
+
+
+def test_the_autotuners_of_a_package_are_found_under_heuristics_and_wrapped_once(monkeypatch):
+    """lrdsl bench's FLA kernels: autotuners at the top level of a package's loaded modules, bare or
+    under triton.heuristics, each wrapped once however many modules import it; nothing else."""
+    import sys
+    import types
+
+    import triton
+
+    def kernel(x, BV: triton.language.constexpr):
+        pass
+    space = [triton.Config({"BV": 32}), triton.Config({"BV": 64})]
+    bare = triton.autotune(space, key=[])(triton.jit(kernel))
+    under = triton.heuristics({"H": lambda a: 1})(triton.autotune(space, key=[])(triton.jit(kernel)))
+    plain = triton.jit(kernel)
+    a, b, other = (types.ModuleType(n) for n in ("pkg.ops.a", "pkg.ops.b", "pkgx.c"))
+    a.k1, a.k2, a.f, a.n = bare, under, plain, 3
+    b.k1 = bare  # imported again
+    other.k = triton.autotune(space, key=[])(triton.jit(kernel))
+    for m in (a, b, other):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    run = bare.run
+    assert tuning.compile_loaded_autotuners("pkg") == 2
+    assert bare.run is not run
+    assert getattr(under.fn, "_lrdsl_compiles_at_once", False) and not hasattr(other.k, "_lrdsl_compiles_at_once")
+    assert tuning.compile_loaded_autotuners("pkg") == 0
