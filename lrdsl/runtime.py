@@ -107,6 +107,7 @@ def load(m: ir.Mixer):
     if os.environ.get("LRDSL_AUTOTUNE", "1") == "0" and hasattr(mod, "use_first_configs"):
         mod.use_first_configs()
     elif os.environ.get("LRDSL_COMPILE_THREADS", "1") != "0" and not os.environ.get("TRITON_INTERPRET"):
-        from .tuning import compile_spaces_at_once
+        from .tuning import compile_ahead, compile_spaces_at_once
         compile_spaces_at_once(mod)
+        compile_ahead(mod)
     return mod

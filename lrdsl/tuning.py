@@ -50,10 +50,10 @@ def compile_loaded_autotuners(package: str) -> int:
 
 
 def _wrap(tuner) -> int:
-    if getattr(tuner, "_lrdsl_compiles_at_once", False):  # a kernel imported by several modules
+    if getattr(tuner.run, "_lrdsl_at_once", False):  # a kernel imported by several modules
         return 0
-    tuner._lrdsl_compiles_at_once = True
     run, check = tuner.run, tuner.check_disk_cache
+    tuner._lrdsl_check = check  # the record on disk, for compile_ahead
     call: dict = {}
 
     def run_(*args, **kwargs):  # the launch's arguments, for the configs' compilation
@@ -70,6 +70,7 @@ def _wrap(tuner) -> int:
             return bench()
         return check(tuning_key, configs, compiled_then_bench)
 
+    run_._lrdsl_at_once = True
     tuner.run, tuner.check_disk_cache = run_, check_
     return 1
 
@@ -85,3 +86,116 @@ def _compile(fn, configs, args, kwargs) -> None:
                 fn.warmup(*args, grid=(1,), **kwargs, **c.all_kwargs())
             except Exception:  # noqa: BLE001 (the autotuner's own launch raises it again, or skips it)
                 pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile ahead: a call's launches go one after the other, and each kernel compiles (its whole
+# space, at once) only when the call reaches it, so a cold first call still pays one compilation
+# per kernel in sequence. Before an entry point's first call, compile_ahead runs it once dry: each
+# kernel of the module is not launched but submitted for compilation with the launch's own
+# arguments (every config of its space where no record is on disk, else the recorded one), all on
+# the pool at once; then the call runs for real and finds them compiled. The dry pass computes on
+# uninitialised buffers and its result is dropped, so it is used only on entry points that write
+# none of their arguments (chunk_fwd, chunk_bwd); anything it cannot do (an exception) just ends it.
+
+
+class _NoRecord(Exception):
+    pass
+
+
+def compile_ahead(module, entries=("chunk_fwd", "chunk_bwd")) -> None:
+    """Make each named entry point of a generated module run dry once before its first call."""
+    for name in entries:
+        fn = getattr(module, name, None)
+        if fn is not None:
+            setattr(module, name, _once_dry(module, name, fn))
+
+
+def _once_dry(module, name, fn):
+    def first_call(*args, **kwargs):
+        setattr(module, name, fn)  # from now on the entry point itself
+        dry_run(module, fn, args, kwargs)
+        return fn(*args, **kwargs)
+    first_call.__doc__ = fn.__doc__
+    return first_call
+
+
+def dry_run(module, fn, args, kwargs) -> None:
+    """fn(*args, **kwargs) with the module's kernels compiled, on the pool, instead of launched."""
+    from triton.runtime._async_compile import AsyncCompileMode
+    kernels = _kernels(module)
+    saved = {id(k): k.__dict__.get("run") for k in kernels}
+    try:
+        with AsyncCompileMode(_pool(), ignore_errors=True):
+            for k in kernels:
+                k.run = _dry_launch(k)
+            try:  # (the backward pops what the forward saved for it: a copy of each dict and list)
+                fn(*map(_shallow, args), **{n: _shallow(a) for n, a in kwargs.items()})
+            except Exception:  # noqa: BLE001 (what the dry pass missed compiles on its launch, as before)
+                pass
+            finally:
+                for k in kernels:
+                    if saved[id(k)] is None:
+                        del k.run
+                    else:
+                        k.run = saved[id(k)]
+    except Exception:  # noqa: BLE001 (a compilation that failed fails again on its launch, and says why)
+        pass
+
+
+def _shallow(a):
+    return dict(a) if isinstance(a, dict) else list(a) if isinstance(a, list) else a
+
+
+def _kernels(module) -> list:
+    from triton.runtime.jit import KernelInterface
+    return [k for k in vars(module).values() if isinstance(k, KernelInterface)]
+
+
+def _dry_launch(kernel):
+    from triton.runtime.autotuner import Autotuner
+    plain = type(kernel).run
+
+    def launch(*args, grid=None, warmup=False, **kwargs):
+        if isinstance(kernel, Autotuner):
+            for c in _configs_to_compile(kernel, args, kwargs):
+                _submit(kernel.fn, args, {**kwargs, **c.all_kwargs()})
+        else:
+            _submit(kernel, args, kwargs, plain)
+    return launch
+
+
+def _submit(fn, args, kwargs, run=None) -> None:
+    """One compilation on the active pool (Triton's asynchronous mode), with the launch's own
+    tensors: the same specialisation, so the same cache entry, as the launch that follows."""
+    try:
+        (run or type(fn).run)(fn, *args, grid=(1,), warmup=True, **kwargs)
+    except Exception:  # noqa: BLE001 (left to the launch)
+        pass
+
+
+def _configs_to_compile(tuner, args, kwargs) -> list:
+    """What the autotuner would compile for this launch: its recorded choice (in memory or on
+    disk) for the launch's key, else every config of its space that its pruning keeps."""
+    if len(tuner.configs) <= 1:
+        return tuner.configs[:1]
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    try:  # the key as Autotuner.run makes it (triton 3.6)
+        given = {k: v for k, v in {**tuner.nargs, **kwargs}.items() if k in tuner.arg_names}
+        key = tuple([given[k] for k in tuner.keys if k in given]
+                    + [str(v.dtype) for v in given.values() if hasattr(v, "dtype")])
+        if key in tuner.cache:
+            return [tuner.cache[key]]
+        configs = tuner.prune_configs(kwargs)
+        if tuner.cache_results:
+            def no_record():
+                raise _NoRecord
+            try:
+                getattr(tuner, "_lrdsl_check", tuner.check_disk_cache)(key, configs, no_record)
+            except _NoRecord:
+                return configs
+            if key in tuner.cache:
+                return [tuner.cache[key]]
+        return configs
+    finally:
+        tuner.nargs = None

@@ -522,6 +522,57 @@ def test_a_tuning_space_is_compiled_at_once_then_timed(tmp_path, monkeypatch):
         assert rms_ratio(tuned[n], first[n]) < 1e-2, n
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_a_first_call_compiles_its_kernels_ahead_then_tunes(tmp_path, monkeypatch):
+    """lrdsl/tuning.py compile_ahead on kda's forward: with no record on disk, the dry pass
+    compiles every config of the tuned kernels the forward launches, launching none of them, and
+    the call that follows tunes them and gives the first configs' output."""
+    import triton
+
+    from lrdsl import tuning
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", "kda.lr"))
+    mod = mixer.kernels
+    x = draw(mixer, 2, 1024, 4, 4, 128, 128, torch.bfloat16, "cuda", torch.Generator(device="cuda").manual_seed(11))
+    with torch.no_grad():
+        first = mixer.chunk(**x)[0]
+    dev = torch.cuda.current_device()
+    names = list(mod.TUNING_SPACE)
+    saved = {n: (getattr(mod, n).configs, getattr(mod, n).cache_results) for n in names}
+    launches, compiled = [], {}
+    dry = tuning.dry_run
+
+    def counted(module, fn, args, kwargs):
+        def hook(*_):
+            launches.append(fn)
+        triton.knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            dry(module, fn, args, kwargs)
+        finally:
+            triton.knobs.runtime.launch_enter_hook.remove(hook)
+        compiled.update((n, len(getattr(mod, n).fn.device_caches[dev][0])) for n in names)
+    monkeypatch.setattr(tuning, "dry_run", counted)
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))  # no record on disk
+    try:
+        for n in names:
+            t = getattr(mod, n)
+            t.configs, t.cache_results = list(mod.TUNING_SPACE[n]), True
+            t.cache.clear()
+            t.fn.device_caches[dev][0].clear()
+        tuning.compile_ahead(mod, entries=("chunk_fwd",))
+        with torch.no_grad():
+            tuned = mixer.chunk(**x)[0]
+    finally:  # the module is shared with the suite's other tests
+        for n in names:
+            t = getattr(mod, n)
+            t.configs, t.cache_results = saved[n]
+            t.cache.clear()
+    assert compiled and launches == []
+    for n in ("staged_solve", "staged_wy", "staged_state", "staged_output"):
+        assert compiled[n] >= len(mod.TUNING_SPACE[n]) > 1, (n, compiled)
+    assert compiled["staged_dq"] == 0  # a backward kernel: not in the forward
+    assert rms_ratio(tuned, first) < 1e-2
+
+
 def _gradients_of(name, seed):
     """An example's mixer, and a function giving the gradients of sum(o) in every input for one
     fixed draw (B=2 T=1024 H=4 K=V=128, bf16)."""

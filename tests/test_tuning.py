@@ -94,5 +94,73 @@ def test_the_autotuners_of_a_package_are_found_under_heuristics_and_wrapped_once
     run = bare.run
     assert tuning.compile_loaded_autotuners("pkg") == 2
     assert bare.run is not run
-    assert getattr(under.fn, "_lrdsl_compiles_at_once", False) and not hasattr(other.k, "_lrdsl_compiles_at_once")
+    assert getattr(under.fn.run, "_lrdsl_at_once", False) and not hasattr(other.k.run, "_lrdsl_at_once")
     assert tuning.compile_loaded_autotuners("pkg") == 0
+
+
+def _module_with_kernels(monkeypatch):
+    """A generated module's shape for compile_ahead: two autotuned kernels (one with a recorded
+    choice for the call's key), a plain one, and an entry point that launches all three and pops
+    what it was given (as the backward pops the forward's saved dict). Launches are recorded,
+    compilations too (tuning._submit)."""
+    import types
+
+    import torch
+    import triton
+
+    def kernel(x, H, BV: triton.language.constexpr):
+        pass
+    space = [triton.Config({"BV": 32}), triton.Config({"BV": 64})]
+    mod = types.ModuleType("lrdsl_generated_test")
+    mod.t1 = triton.autotune(space, key=["H"])(triton.jit(kernel))
+    mod.t2 = triton.autotune(space, key=["H"])(triton.jit(kernel))
+    mod.p = triton.jit(kernel)
+    x = torch.ones(3)
+    mod.t2.cache[(4, str(x.dtype))] = space[1]
+    log = []
+    for name in ("t1", "t2", "p"):  # the launches (as lrdsl.tuning._wrap's instance attribute)
+        getattr(mod, name).run = lambda *a, _n=name, **k: log.append(("launch", _n))
+    monkeypatch.setattr(tuning, "_submit", lambda fn, args, kwargs, run=None: log.append(
+        ("compile", fn.fn.__name__, kwargs.get("BV"), kwargs.get("H"))))
+
+    def chunk_fwd(x, saved):
+        mod.t1[(1,)](x, H=4)
+        if mod.all_three:
+            mod.t2[(1,)](x, H=4)
+            mod.p[(1,)](x, H=4, BV=16)
+        return saved.pop("a")
+    mod.chunk_fwd, mod.all_three = chunk_fwd, True
+    return mod, x, log
+
+
+def test_a_first_call_compiles_every_kernel_it_launches_ahead_then_runs(monkeypatch):
+    mod, x, log = _module_with_kernels(monkeypatch)
+    launches = {n: getattr(mod, n).run for n in ("t1", "t2", "p")}
+    tuning.compile_ahead(mod, entries=("chunk_fwd", "chunk_bwd"))
+    saved = {"a": "out"}
+    assert mod.chunk_fwd(x, saved) == "out" and saved == {}
+    # dry: t1's whole space, t2's recorded choice, p as launched; nothing launched; then the call
+    assert log == [("compile", "kernel", 32, 4), ("compile", "kernel", 64, 4), ("compile", "kernel", 64, 4),
+                   ("compile", "kernel", 16, 4), ("launch", "t1"), ("launch", "t2"), ("launch", "p")]
+    assert {n: getattr(mod, n).run for n in launches} == launches  # the kernels' own launches again
+    log.clear()
+    mod.all_three = False
+    assert mod.chunk_fwd(x, {"a": 1}) == 1 and log == [("launch", "t1")]  # no dry pass after the first
+
+
+def test_a_dry_pass_that_fails_leaves_the_call_alone(monkeypatch):
+    mod, x, log = _module_with_kernels(monkeypatch)
+    real = mod.chunk_fwd
+
+    failed = []
+
+    def fails_first(x, saved):  # e.g. a host read of an uninitialised buffer
+        if not failed:
+            failed.append(1)
+            mod.t1[(1,)](x, H=4)
+            raise RuntimeError("dry")
+        return real(x, saved)
+    mod.chunk_fwd = fails_first
+    tuning.compile_ahead(mod)
+    assert mod.chunk_fwd(x, {"a": 2}) == 2
+    assert log[:2] == [("compile", "kernel", 32, 4), ("compile", "kernel", 64, 4)] and ("launch", "t2") in log
