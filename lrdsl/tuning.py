@@ -19,7 +19,7 @@ _POOL: list = []
 
 def _pool() -> ThreadPoolExecutor:
     if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) - 1)), thread_name_prefix="lrdsl-compile"))
+        _POOL.append(ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 2) - 1)), thread_name_prefix="lrdsl-compile"))
     return _POOL[0]
 
 
