@@ -4,7 +4,11 @@ the spec's chunk call (and backward) on CPU tensors with every launch intercepte
 compiled (not run) for the config LRDSL_AUTOTUNE=0 picks.
 
 usage: python benchmarks/kernel_registers.py SPEC [--backward] [--only NAME] [--dump DIR] [--shape B,T,H,K,V]
-Run from a checkout's root (that checkout's lrdsl is imported)."""
+                                               [--dtype bf16|fp32]
+Run from a checkout's root (that checkout's lrdsl is imported). The inputs are bf16 as in `lrdsl
+bench` (--dtype fp32: fp32 inputs, so fp32 intermediates); on the CPU lrdsl runs its kernels on fp32
+copies of bf16 inputs (the interpreter's bf16 dots are wrong), which this script turns off: no kernel
+runs here."""
 import argparse, os, re, subprocess, sys, tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["LRDSL_AUTOTUNE"] = "0"
@@ -17,6 +21,7 @@ from triton.runtime.jit import JITFunction
 ap = argparse.ArgumentParser()
 ap.add_argument("spec"); ap.add_argument("--backward", action="store_true")
 ap.add_argument("--only"); ap.add_argument("--dump"); ap.add_argument("--shape", default="1,256,2,128,128")
+ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
 a = ap.parse_args()
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 128)
@@ -109,9 +114,11 @@ def fake_run(self, *args, grid, warmup, **kwargs):
 
 JITFunction.run = fake_run
 import lrdsl  # noqa: E402
+import lrdsl.api  # noqa: E402
 from lrdsl.bench import draw, parse_shape  # noqa: E402
+lrdsl.api._bf16_on_cpu = lambda *tensors: False  # the launches as the GPU makes them: bf16 stays bf16
 m = lrdsl.compile(a.spec)
-x = draw(m, parse_shape(a.shape), torch.bfloat16, "cpu")
+x = draw(m, parse_shape(a.shape), torch.bfloat16 if a.dtype == "bf16" else torch.float32, "cpu")
 if a.backward:
     for t in x.values():
         if t.is_floating_point():
