@@ -129,7 +129,7 @@ def dry_run(module, fn, args, kwargs) -> None:
         with AsyncCompileMode(_pool(), ignore_errors=True):
             for k in kernels:
                 k.run = _dry_launch(k)
-            try:  # (the backward pops what the forward saved for it: a copy of each dict and list)
+            try:  # (Mesa's backward pops what its forward saved: a copy of each dict and list)
                 fn(*map(_shallow, args), **{n: _shallow(a) for n, a in kwargs.items()})
             except Exception:  # noqa: BLE001 (what the dry pass missed compiles on its launch, as before)
                 pass

@@ -3,6 +3,8 @@ them, with which arguments, and when not at all (the compilation itself is teste
 tests/test_gpu.py::test_a_tuning_space_is_compiled_at_once_then_timed)."""
 from __future__ import annotations
 
+import pytest
+
 from lrdsl import tuning
 
 
@@ -164,3 +166,43 @@ def test_a_dry_pass_that_fails_leaves_the_call_alone(monkeypatch):
     tuning.compile_ahead(mod)
     assert mod.chunk_fwd(x, {"a": 2}) == 2
     assert log[:2] == [("compile", "kernel", 32, 4), ("compile", "kernel", 64, 4)] and ("launch", "t2") in log
+
+
+@pytest.mark.parametrize("name, keep", [("gated_deltanet", False), ("kda", False), ("kda", True), ("mesa", False)])
+def test_a_dry_pass_leaves_the_calls_output_and_gradients_alone(name, keep, compiled, monkeypatch):
+    """compile_ahead on a real module (Triton's interpreter): the dry passes of chunk_fwd and
+    chunk_bwd run their host code with no kernel launched (nor compiled, here), then the forward and
+    backward run and give the output and gradients of a call without them, bit for bit: the dry
+    pass wrote nothing the call reads (Mesa's backward pops what its forward saved for it: without
+    the dry pass's copies of the dicts it is given, the call finds them emptied)."""
+    import os
+
+    import torch
+
+    from lrdsl.bench import draw, parse_shape
+    mixer = compiled(os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.lr"), keep_intermediates=keep)
+    x = draw(mixer, parse_shape("1,100,2,16,16"), torch.float32, "cpu", seed=3)
+    do = torch.randn(1, 100, 2, 16, generator=torch.Generator().manual_seed(4))
+
+    def call():
+        leaves = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in x.items()}
+        o = mixer.chunk(**leaves)[0]
+        o.backward(do)
+        return o.detach(), {n: t.grad for n, t in leaves.items() if t.grad is not None}
+    o0, g0 = call()
+    mod = mixer.kernels
+    entries = mod.chunk_fwd, mod.chunk_bwd
+    dry, ran, submitted = tuning.dry_run, [], []
+
+    def counted(module, fn, args, kwargs):
+        ran.append(fn.__name__)
+        dry(module, fn, args, kwargs)
+    monkeypatch.setattr(tuning, "dry_run", counted)
+    monkeypatch.setattr(tuning, "_submit", lambda fn, args, kwargs, run=None: submitted.append(fn))
+    tuning.compile_ahead(mod)
+    o1, g1 = call()
+    assert ran == ["chunk_fwd", "chunk_bwd"] and submitted
+    assert (mod.chunk_fwd, mod.chunk_bwd) == entries
+    assert torch.equal(o0, o1) and g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
