@@ -11,7 +11,6 @@ inputs hold, during one call; with the backward also what the forward leaves all
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +70,9 @@ def _fla_compiles_at_once() -> None:
     """FLA's autotuners compile their configs one after the other on their first launch (about two
     minutes per op on a fresh machine); as lrdsl's own kernels, they compile on a thread pool first.
     What they time and choose is unchanged. LRDSL_COMPILE_THREADS=0 leaves them alone."""
-    if os.environ.get("LRDSL_COMPILE_THREADS", "1") != "0" and not os.environ.get("TRITON_INTERPRET"):
-        from .tuning import compile_loaded_autotuners
-        compile_loaded_autotuners("fla")
+    from . import tuning
+    if tuning.enabled():
+        tuning.compile_loaded_autotuners("fla")
 
 
 def _unit(x):

@@ -14,7 +14,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from . import ir, printer
+from . import ir, printer, tuning
 from .errors import LrdslError
 
 
@@ -106,8 +106,7 @@ def load(m: ir.Mixer):
         raise
     if os.environ.get("LRDSL_AUTOTUNE", "1") == "0" and hasattr(mod, "use_first_configs"):
         mod.use_first_configs()
-    elif os.environ.get("LRDSL_COMPILE_THREADS", "1") != "0" and not os.environ.get("TRITON_INTERPRET"):
-        from .tuning import compile_ahead, compile_spaces_at_once
-        compile_spaces_at_once(mod)
-        compile_ahead(mod)
+    elif tuning.enabled():
+        tuning.compile_spaces_at_once(mod)
+        tuning.compile_ahead(mod)
     return mod

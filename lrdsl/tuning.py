@@ -17,6 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 _POOL: list = []
 
 
+def enabled() -> bool:
+    """Whether kernels compile on the pool (LRDSL_COMPILE_THREADS=0 turns it off; the interpreter
+    compiles nothing)."""
+    return os.environ.get("LRDSL_COMPILE_THREADS", "1") != "0" and not os.environ.get("TRITON_INTERPRET")
+
+
 def _pool() -> ThreadPoolExecutor:
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 2) - 1)), thread_name_prefix="lrdsl-compile"))
@@ -154,22 +160,22 @@ def _kernels(module) -> list:
 
 def _dry_launch(kernel):
     from triton.runtime.autotuner import Autotuner
-    plain = type(kernel).run
 
     def launch(*args, grid=None, warmup=False, **kwargs):
         if isinstance(kernel, Autotuner):
             for c in _configs_to_compile(kernel, args, kwargs):
                 _submit(kernel.fn, args, {**kwargs, **c.all_kwargs()})
         else:
-            _submit(kernel, args, kwargs, plain)
+            _submit(kernel, args, kwargs)
     return launch
 
 
-def _submit(fn, args, kwargs, run=None) -> None:
+def _submit(fn, args, kwargs) -> None:
     """One compilation on the active pool (Triton's asynchronous mode), with the launch's own
-    tensors: the same specialisation, so the same cache entry, as the launch that follows."""
+    tensors: the same specialisation, so the same cache entry, as the launch that follows (through
+    the class's run: the instance's is the dry launch)."""
     try:
-        (run or type(fn).run)(fn, *args, grid=(1,), warmup=True, **kwargs)
+        type(fn).run(fn, *args, grid=(1,), warmup=True, **kwargs)
     except Exception:  # noqa: BLE001 (left to the launch)
         pass
 

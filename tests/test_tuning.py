@@ -122,7 +122,7 @@ def _module_with_kernels(monkeypatch):
     log = []
     for name in ("t1", "t2", "p"):  # the launches (as lrdsl.tuning._wrap's instance attribute)
         getattr(mod, name).run = lambda *a, _n=name, **k: log.append(("launch", _n))
-    monkeypatch.setattr(tuning, "_submit", lambda fn, args, kwargs, run=None: log.append(
+    monkeypatch.setattr(tuning, "_submit", lambda fn, args, kwargs: log.append(
         ("compile", fn.fn.__name__, kwargs.get("BV"), kwargs.get("H"))))
 
     def chunk_fwd(x, saved):
@@ -198,7 +198,7 @@ def test_a_dry_pass_leaves_the_calls_output_and_gradients_alone(name, keep, comp
         ran.append(fn.__name__)
         dry(module, fn, args, kwargs)
     monkeypatch.setattr(tuning, "dry_run", counted)
-    monkeypatch.setattr(tuning, "_submit", lambda fn, args, kwargs, run=None: submitted.append(fn))
+    monkeypatch.setattr(tuning, "_submit", lambda fn, args, kwargs: submitted.append(fn))
     tuning.compile_ahead(mod)
     o1, g1 = call()
     assert ran == ["chunk_fwd", "chunk_bwd"] and submitted
