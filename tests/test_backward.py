@@ -563,17 +563,21 @@ o = S^T q
 
 def test_staged_dk_takes_the_chain_rule_of_scalar_decay_delta_rules():
     """gated_deltanet's and deltanet's backward generates no chain kernel: staged_dk ends in the
-    chain rule (_chain_tokens) and stores the inputs' gradients; a decay per key channel (kda) and
-    a gated write value (CHAINED: its gradient needs dz) keep the kernel."""
+    chain rule (_chain_tokens) and stores the inputs' gradients, and q's is made where r's is (in
+    staged_dk, or in staged_dr where stage 3 splits: plan.split_dk); a decay per key channel (kda)
+    and a gated write value (CHAINED: its gradient needs dz) keep the kernel."""
     from lrdsl.runtime import generate
     source = lambda m: generate(m.ir)
-    for stem in ("gated_deltanet", "deltanet"):
+    for stem, r_kernel in (("gated_deltanet", "staged_dr_kernel"), ("deltanet", "staged_dk_kernel")):
         text = source(lrdsl.compile(ROOT / "examples" / f"{stem}.lr", load_kernels=False))
         assert "staged_chain_kernel" not in text, stem
         dk = text[text.index("def staged_dk_kernel("):text.index("def staged_bwd(")]
         assert "    _chain_tokens(" in dk and "tl.store(du_ptr" not in dk, stem
         # q's gradient where r's is made (plan.chain_at_dr): r's neither stored nor read back
-        assert "    _chain_at_dr(in_q, b_dr, d_q_ptr," in dk and "dr_ptr" not in text[text.index("def staged_dk_kernel("):], stem
+        dr = text[text.index(f"def {r_kernel}("):]
+        dr = dr[:dr.index("\n\n\n")]
+        assert "    _chain_at_dr(in_q, b_dr, d_q_ptr," in dr, stem
+        assert "dr_ptr" not in text[text.index("def staged_de" if "staged_de_kernel" in text else "def staged_dk_kernel("):], stem
     assert "def staged_chain_kernel(" in source(lrdsl.compile(ROOT / "examples" / "kda.lr", load_kernels=False))
     assert "def staged_chain_kernel(" in source(lrdsl.compile(text=CHAINED, load_kernels=False))
 
@@ -614,13 +618,14 @@ def test_chain_rule_in_staged_dk_matches_reference(case_id, compiled):
     assert {"dq", "dk", "da", "db", "dw"} <= set(errors)
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["two launches", "one launch"])
-def test_stage_three_takes_two_launches_with_an_erase(split, monkeypatch):
+@pytest.mark.parametrize("split", [True, False], ids=["three launches", "one launch"])
+def test_stage_three_takes_three_launches_with_an_erase(split, monkeypatch):
     """plan.split_dk: with an erase and a decay per token and head, the gradients from dE take a
-    launch of their own (staged_de) before staged_dk; never without an erase, without a decay
-    (deltanet: the split was slower on the H200) or with a decay per key channel. Either way (the
-    one-launch kernel by turning the property off) gated_deltanet's gradients match the float64
-    reference, and each stage-3 kernel runs once per backward."""
+    launch of their own (staged_de), then those from dO (staged_dr) and those from dS (staged_dk);
+    never without an erase, without a decay (deltanet: the split was slower on the H200) or with a
+    decay per key channel. Either way (the one-launch kernel by turning the property off)
+    gated_deltanet's gradients match the float64 reference, and each stage-3 kernel runs once per
+    backward."""
     from lrdsl.codegen.plan import Plan, plan
     from lrdsl.runtime import generate
     flags = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir).split_dk for p in EXAMPLES}
@@ -630,8 +635,11 @@ def test_stage_three_takes_two_launches_with_an_erase(split, monkeypatch):
     if not split:
         monkeypatch.setattr(Plan, "split_dk", property(lambda self: False))
     mixer = lrdsl.compile(ROOT / "examples" / "gated_deltanet.lr")
-    assert ("def staged_de_kernel(" in generate(mixer.ir)) == split == hasattr(mixer.kernels, "staged_de_kernel")
-    launches = {n: count_launches(monkeypatch, mixer.kernels, n) for n in ("staged_de", "staged_dk")[1 - split:]}
+    source = generate(mixer.ir)
+    for kernel in ("staged_de_kernel", "staged_dr_kernel"):
+        assert (f"def {kernel}(" in source) == split == hasattr(mixer.kernels, kernel)
+    names = ("staged_de", "staged_dr", "staged_dk") if split else ("staged_dk",)
+    launches = {n: count_launches(monkeypatch, mixer.kernels, n) for n in names}
     errors, failures = compare(mixer, CASES[DEFAULT_CASE], output_final_state=True, seed=29)
     assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
     assert {n: len(g) for n, g in launches.items()} == dict.fromkeys(launches, 1)
