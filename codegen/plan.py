@@ -188,21 +188,35 @@ class Plan:
 
     @property
     def split_dk(self) -> bool:
-        """The staged backward's last stage takes three launches (an erase, a decay per token and
-        head at most: chunk_staged_bwd_dk_split.py.jinja): staged_de_kernel the gradients through
-        the erase (from dE: z's, c's, dA and the log-decays' share through Cg and A), staged_dr_kernel
-        those through Rg and P (from dO: r's, and dP for the next), then staged_dk_kernel those
-        through Kg (from dS) and u's. In one launch (ptxas, sm_90a, gated_deltanet K = V = 128, eight
-        warps) it held 255 registers and spilled 336 / 460 B at BV 64, one program per SM; on the
-        H200 (B=4 T=4096 H=16) it took 810 us of 1.74 ms forward + backward. Split in two (sessions
-        14-22, dO's and dS's sides in one kernel) 217 + 558 us there; in three (session 23), each
-        of the last two at four warps and two programs per SM, staged_dr and staged_dk took 237 + 287
-        us there, 468 + 604 at B=1 T=16384 H=32 against 1158 in one. Each later launch reads S0 and
-        E again, and the tiles per chunk ([BT, BT] dA, dP) and the log-decays' share from the
-        earlier ones. Off, every example generates the one-launch kernel of session 13; deltanet's
-        (no decay: its one launch spilled only 32 / 40 B) took 486 us against 177 + 382 in two
-        (session 14), so without a decay per token the one launch stays."""
+        """The staged backward's last stage takes two launches (an erase, a decay per token and head
+        at most: chunk_staged_bwd_dk.py.jinja): staged_de_kernel the gradients through the erase
+        (from dE: z's, c's, dA and the log-decays' share through Cg and A), then staged_dk_kernel
+        those through Rg, P and Kg (from dO and dS) and u's. In one launch (ptxas, sm_90a,
+        gated_deltanet K = V = 128, eight warps) it held 255 registers and spilled 336 / 460 B at
+        BV 64, one program per SM; on the H200 (B=4 T=4096 H=16) it took 810 us of 1.74 ms forward
+        + backward. Split, neither spills in its value loop (staged_host.py.jinja's spaces). The
+        second launch reads S0 and E again, and dA ([BT, BT] per chunk) and the log-decays' share
+        from the first. Off, every example generates the one-launch kernel of session 13.
+        Measured there (session 14, the H200, short shape): gated_deltanet's two took 217 + 558 us
+        against 804 in one; deltanet's (no decay: its one launch spilled only 32 / 40 B) 177 + 382
+        against 486, so without a decay per token the one launch stays.
+        (plan.split_dr splits the second launch again.)"""
         return self.staged_backward and self.delta and self.decay_kind == "scalar"
+
+    @property
+    def split_dr(self) -> bool:
+        """With plan.split_dk and the chain rule in staged_dk (plan.chain_in_dk), the second launch
+        is two (chunk_staged_bwd_dk_split.py.jinja): staged_dr_kernel the gradients from dO (through
+        Rg and P: r's, or the input's made from it, and dP for the next), then staged_dk_kernel those
+        from dS (through Kg: u's) and the chain rule. In one, dRg, dP and dKg lived to the end beside
+        the key tiles and the chain rule: 254 registers at eight warps, one program per SM, whose
+        epilogue nothing overlapped (ptxas, sm_90a, gated_deltanet K = V = 128); apart, each runs
+        at four warps, two programs per SM. On the H200 (session 23) gated_deltanet's one took 1158
+        us at B=1 T=16384 H=32, the two 468 + 604 (237 + 287 at B=4 T=4096 H=16, against 558);
+        forward + backward 3.70 -> 3.63 ms there. Without the chain rule in the kernel (its epilogue
+        is short: precond_deltanet, channel_gates_scalar_decay) the two were slower: forward +
+        backward 6.18-6.25 -> 6.40 ms and 4.25 -> 4.36 at the long shape, so those keep one."""
+        return self.split_dk and self.chain_in_dk
 
     @property
     def solve_wy_fused(self) -> bool:

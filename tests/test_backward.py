@@ -621,19 +621,22 @@ def test_chain_rule_in_staged_dk_matches_reference(case_id, compiled):
 @pytest.mark.parametrize("split", [True, False], ids=["three launches", "one launch"])
 def test_stage_three_takes_three_launches_with_an_erase(split, monkeypatch):
     """plan.split_dk: with an erase and a decay per token and head, the gradients from dE take a
-    launch of their own (staged_de), then those from dO (staged_dr) and those from dS (staged_dk);
-    never without an erase, without a decay (deltanet: the split was slower on the H200) or with a
-    decay per key channel. Either way (the one-launch kernel by turning the property off)
-    gated_deltanet's gradients match the float64 reference, and each stage-3 kernel runs once per
-    backward."""
+    launch of their own (staged_de) before staged_dk; never without an erase, without a decay
+    (deltanet: the split was slower on the H200) or with a decay per key channel. plan.split_dr:
+    where staged_dk ends in the chain rule, those from dO take one too (staged_dr). Either way (the
+    one-launch kernel by turning both properties off) gated_deltanet's gradients match the float64
+    reference, and each stage-3 kernel runs once per backward."""
     from lrdsl.codegen.plan import Plan, plan
     from lrdsl.runtime import generate
-    flags = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir).split_dk for p in EXAMPLES}
-    assert {s for s, f in flags.items() if f} == {"gated_deltanet", "gated_deltanet_gates",
-                                                 "gated_deltanet_negeig", "precond_deltanet",
-                                                 "channel_gates_scalar_decay"}, flags
+    plans = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir) for p in EXAMPLES}
+    assert {s for s, p in plans.items() if p.split_dk} == {"gated_deltanet", "gated_deltanet_gates",
+                                                          "gated_deltanet_negeig", "precond_deltanet",
+                                                          "channel_gates_scalar_decay"}, plans
+    assert {s for s, p in plans.items() if p.split_dr} == {"gated_deltanet", "gated_deltanet_gates",
+                                                          "gated_deltanet_negeig"}
     if not split:
         monkeypatch.setattr(Plan, "split_dk", property(lambda self: False))
+        monkeypatch.setattr(Plan, "split_dr", property(lambda self: False))
     mixer = lrdsl.compile(ROOT / "examples" / "gated_deltanet.lr")
     source = generate(mixer.ir)
     for kernel in ("staged_de_kernel", "staged_dr_kernel"):
@@ -641,6 +644,17 @@ def test_stage_three_takes_three_launches_with_an_erase(split, monkeypatch):
     names = ("staged_de", "staged_dr", "staged_dk") if split else ("staged_dk",)
     launches = {n: count_launches(monkeypatch, mixer.kernels, n) for n in names}
     errors, failures = compare(mixer, CASES[DEFAULT_CASE], output_final_state=True, seed=29)
+    assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
+    assert {n: len(g) for n, g in launches.items()} == dict.fromkeys(launches, 1)
+
+
+def test_stage_three_takes_two_launches_without_the_chain_rule(monkeypatch):
+    """plan.split_dk without plan.split_dr (precond_deltanet: a chain kernel after staged_dk):
+    staged_de, then one staged_dk, and the gradients match the float64 reference."""
+    mixer = lrdsl.compile(ROOT / "examples" / "precond_deltanet.lr")
+    assert hasattr(mixer.kernels, "staged_de_kernel") and not hasattr(mixer.kernels, "staged_dr_kernel")
+    launches = {n: count_launches(monkeypatch, mixer.kernels, n) for n in ("staged_de", "staged_dk")}
+    errors, failures = compare(mixer, CASES[DEFAULT_CASE], output_final_state=True, seed=31)
     assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
     assert {n: len(g) for n, g in launches.items()} == dict.fromkeys(launches, 1)
 
