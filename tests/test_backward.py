@@ -618,6 +618,16 @@ def test_chain_rule_in_staged_dk_matches_reference(case_id, compiled):
     assert {"dq", "dk", "da", "db", "dw"} <= set(errors)
 
 
+def test_gated_query_gradients_read_rs_back(compiled):
+    """GATED_QUERY (plan.split_dr without plan.chain_at_dr): staged_dr stores r's gradient and
+    staged_dk's chain rule reads it back for q's and a's; both match the float64 reference."""
+    mixer = compiled(None, text=GATED_QUERY)
+    assert hasattr(mixer.kernels, "staged_dr_kernel") and not hasattr(mixer.kernels, "staged_chain_kernel")
+    errors, failures = compare(mixer, CASES[DEFAULT_CASE], output_final_state=True, seed=37)
+    assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
+    assert {"dq", "dk", "da", "db"} <= set(errors)
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["three launches", "one launch"])
 def test_stage_three_takes_three_launches_with_an_erase(split, monkeypatch):
     """plan.split_dk: with an erase and a decay per token and head, the gradients from dE take a
