@@ -568,16 +568,17 @@ def test_staged_dk_takes_the_chain_rule_of_scalar_decay_delta_rules():
     and a gated write value (CHAINED: its gradient needs dz) keep the kernel."""
     from lrdsl.runtime import generate
     source = lambda m: generate(m.ir)
-    for stem, r_kernel in (("gated_deltanet", "staged_dr_kernel"), ("deltanet", "staged_dk_kernel")):
+    # (stem, stage 3's first kernel, the kernel that makes r's gradient)
+    for stem, first, r_kernel in (("gated_deltanet", "staged_de_kernel", "staged_dr_kernel"),
+                                  ("deltanet", "staged_dk_kernel", "staged_dk_kernel")):
         text = source(lrdsl.compile(ROOT / "examples" / f"{stem}.lr", load_kernels=False))
         assert "staged_chain_kernel" not in text, stem
         dk = text[text.index("def staged_dk_kernel("):text.index("def staged_bwd(")]
         assert "    _chain_tokens(" in dk and "tl.store(du_ptr" not in dk, stem
         # q's gradient where r's is made (plan.chain_at_dr): r's neither stored nor read back
         dr = text[text.index(f"def {r_kernel}("):]
-        dr = dr[:dr.index("\n\n\n")]
-        assert "    _chain_at_dr(in_q, b_dr, d_q_ptr," in dr, stem
-        assert "dr_ptr" not in text[text.index("def staged_de" if "staged_de_kernel" in text else "def staged_dk_kernel("):], stem
+        assert "    _chain_at_dr(in_q, b_dr, d_q_ptr," in dr[:dr.index("\n\n\n")], stem
+        assert "dr_ptr" not in text[text.index(f"def {first}("):], stem
     assert "def staged_chain_kernel(" in source(lrdsl.compile(ROOT / "examples" / "kda.lr", load_kernels=False))
     assert "def staged_chain_kernel(" in source(lrdsl.compile(text=CHAINED, load_kernels=False))
 
