@@ -61,7 +61,7 @@ def inputs(mixer, s, dtype):
         if i.log:
             t = -t
         x[i.name] = t.to(dtype)
-    from lrdsl.params import param_shape
+    from lrdsl.frontend.params import param_shape
     for p in mixer.ir.params:
         x[p.name] = torch.zeros(param_shape(p, s.H, s.K, s.V))
     return x

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import lrdsl  # noqa: E402
-import lrdsl.autograd as ag  # noqa: E402
+import lrdsl.runtime.autograd as ag  # noqa: E402
 from lrdsl.bench import Shape, draw, parse_shape  # noqa: E402
 
 cuda = torch.cuda.is_available()

@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 from functools import cached_property
 
-from . import ir, printer
-from .errors import InputError, SpecError
-from .frontend import spec_to_ir
-from .tensors import assert_in_ranges, validate
+from lrdsl.frontend import ir, printer
+from lrdsl.errors import InputError, SpecError
+from lrdsl.frontend import spec_to_ir
+from lrdsl.runtime.tensors import assert_in_ranges, validate
 
 
 class Mixer:
@@ -59,7 +59,7 @@ class Mixer:
 
     @cached_property
     def _facts(self) -> dict:
-        from .checker import check
+        from lrdsl.checks.checker import check
         return check(self.ir)
 
     def check(self) -> dict:
@@ -71,7 +71,7 @@ class Mixer:
     def kernels(self):
         """The generated module (kernels and host wrappers), loaded from the on-disk cache."""
         if self._kernels is None:  # not a cached_property: its lock breaks torch.compile graphs
-            from .runtime import load
+            from lrdsl.runtime.loader import load
             self._kernels = load(self.ir)
         return self._kernels
 
@@ -81,10 +81,10 @@ class Mixer:
         if self._op is None:
             key = self.kernels.__name__.rsplit("_", 1)[-1]
             if self.ir.solve_lam is not None:  # the offline solve's (taken under torch.compile)
-                from .offline_op import offline_op
+                from lrdsl.runtime.offline_op import offline_op
                 self._op = offline_op(self, key)
             else:
-                from .autograd import chunk_op
+                from lrdsl.runtime.autograd import chunk_op
                 self._op = chunk_op(self.ir, self.kernels, key)
         return self._op
 
@@ -101,10 +101,10 @@ class Mixer:
                              "torch.no_grad() or on tensors without requires_grad, and train "
                              "through mixer.chunk, which has the chunked backward")
         if self.ir.solve_lam is not None:
-            from . import offline
+            from lrdsl.runtime import offline
             return offline.recurrent(self, batch)
         if self._whole_state(batch):
-            from .autograd import host_args
+            from lrdsl.runtime.autograd import host_args
             names = list(self.ir.tensor_names)
             tensors, h0, cu = host_args(names, [batch.tensors[n] for n in names], batch.initial_state, cu_seqlens)
             o, ht, aux = self.kernels.recurrent_fwd(tensors, batch.scale, h0, output_final_state, cu,
@@ -121,9 +121,9 @@ class Mixer:
         every auxiliary state ([N, HV, K] or [N, HV, V])."""
         import torch
 
-        from .tensors import MixerState
+        from lrdsl.runtime.tensors import MixerState
         if self.ir.solve_lam is not None:
-            from . import offline
+            from lrdsl.runtime import offline
             return offline.zero_state(self.ir, N, HV, K, V, device)
         S = torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
         if not self.ir.aux:
@@ -142,7 +142,7 @@ class Mixer:
         return [a.to(torch.float32).contiguous() for a in batch.initial_aux]
 
     def _state_out(self, S, aux):
-        from .tensors import MixerState
+        from lrdsl.runtime.tensors import MixerState
         return MixerState(S, {a.name: t for a, t in zip(self.ir.aux, aux)})
 
     def step(self, q, k, v, state, scale=None, **inputs):
@@ -152,9 +152,9 @@ class Mixer:
         reads its tile of the state before it writes it back, so no copy is made."""
         import torch
 
-        from .tensors import MixerState
+        from lrdsl.runtime.tensors import MixerState
         if self.ir.solve_lam is not None:
-            from . import offline
+            from lrdsl.runtime import offline
             return offline.step(self, q, k, v, state, scale, inputs)
         whole = state
         if isinstance(state, MixerState):
@@ -202,12 +202,12 @@ class Mixer:
                                   **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
             return o.to(v.dtype), final
         if cp_group is not None:
-            from . import cp
+            from lrdsl.runtime import cp
             return cp.chunk(self, q, k, v, scale, initial_state, output_final_state, cu_seqlens, inputs,
                             cp_group)
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
         if self.ir.solve_lam is not None:
-            from . import offline
+            from lrdsl.runtime import offline
             return offline.chunk(self, batch)
         if self._native_rank2(batch):
             return self._chunk_rank2(batch)
@@ -216,7 +216,7 @@ class Mixer:
         if self.split is not None and batch.K <= self.split.kernels.STAGED_MAX_K:
             return self._chunk_split(batch)
         tensors = [batch.tensors[n] for n in self.ir.tensor_names]
-        from .autograd import eager
+        from lrdsl.runtime.autograd import eager
         if batch.initial_aux is not None or self.keep_intermediates or eager(tensors):
             return self._chunk_eager(batch, tensors)
         return self._chunk_tensors(batch, tensors)
@@ -226,7 +226,7 @@ class Mixer:
         """The mixer whose staged kernels chunk runs on two tokens per token (lrdsl/split.py), or
         None: this spec's erase is along its write key already, or the split has no staged kernels."""
         if self._split is None:
-            from .split import split_ir
+            from lrdsl.codegen.split import split_ir
             s = split_ir(self.ir)
             self._split = False if s is None else Mixer(s, keep_intermediates=self.keep_intermediates, check_ranges=False)
             if s is not None:
@@ -246,7 +246,7 @@ class Mixer:
             return False
         import torch
 
-        from .autograd import eager
+        from lrdsl.runtime.autograd import eager
         tensors = [*batch.tensors.values(), *([] if batch.initial_state is None else [batch.initial_state])]
         if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not eager(tensors):
             return False
@@ -256,13 +256,13 @@ class Mixer:
         return bool(torch.stack(finite).all())
 
     def _chunk_rank2(self, batch):
-        from .autograd import host_args
+        from lrdsl.runtime.autograd import host_args
         names = list(self.ir.tensor_names)
         inputs, h0, cu = host_args(names, [batch.tensors[n] for n in names], batch.initial_state, batch.cu_seqlens)
         return self.kernels.rank2_fwd(inputs, batch.scale, h0, bool(batch.output_final_state), cu)
 
     def _chunk_split(self, batch):
-        from .split import interleave, phases
+        from lrdsl.codegen.split import interleave, phases
         params = {p.name for p in self.ir.params}
         t = {n: x if n in params else interleave(x) for n, x in batch.tensors.items()}
         q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
@@ -283,7 +283,7 @@ class Mixer:
         custom op). Differentiable in every input, S0 and each auxiliary initial state."""
         import torch
 
-        from . import autograd
+        from lrdsl.runtime import autograd
         aux0 = list(batch.initial_aux or ())
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                 for t in (*tensors, batch.initial_state, *aux0))):
@@ -308,7 +308,7 @@ class Mixer:
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):
         """o [B, T, HV, V] and the final state [N, HV, K, V] (None unless output_final_state)."""
-        from .reference import scan
+        from lrdsl.runtime.reference import scan
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                reference=True)
         return scan(self.ir, batch)
@@ -347,7 +347,7 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
         filename = os.fspath(path)
         try:
             with open(filename, "rb") as f:  # bounded: /dev/zero or a huge file must not hang
-                from .syntax import MAX_BYTES
+                from lrdsl.frontend.syntax import MAX_BYTES
                 text = f.read(MAX_BYTES + 1)
         except OSError as e:
             raise SpecError(f"cannot read the spec: {e.strerror}", None, None, filename) from None
@@ -355,13 +355,13 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
     m = spec_to_ir(text, filename)
     if isinstance(text, bytes):
         source = text.decode("utf-8")  # spec_to_ir succeeded, so it is UTF-8
-    from .checker import domain_error
+    from lrdsl.checks.checker import domain_error
     bad = domain_error(m)
     if bad:
         raise SpecError(bad[0], bad[1], source, filename)
     mixer = Mixer(m, source, filename, keep_intermediates, check_ranges)
     if check_stability:
-        from .checker import stability_error
+        from lrdsl.checks.checker import stability_error
         msg = stability_error(m, mixer._facts)
         if msg:
             raise SpecError(msg, m.error_span(mixer._facts), source, filename)

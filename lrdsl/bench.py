@@ -52,7 +52,7 @@ def draw(mixer, s: Shape, dtype=torch.bfloat16, device="cuda", seed=0) -> dict:
         elif math.isfinite(float(i.hi)):
             x = float(i.hi) - 0.25 - F.softplus(x)
         out[i.name] = x.to(dtype)
-    from .params import param_shape, sample
+    from lrdsl.frontend.params import param_shape, sample
     for p in mixer.ir.params:  # fp32 per head, drawn as lrdsl.nn.Layer initialises them
         out[p.name] = sample(p.init, param_shape(p, s.H, s.K, s.V)).to(device)
     return out
@@ -70,7 +70,7 @@ def _fla_compiles_at_once() -> None:
     """FLA's autotuners compile their configs one after the other on their first launch (about two
     minutes per op on a fresh machine); as lrdsl's own kernels, they compile on a thread pool first.
     What they time and choose is unchanged. LRDSL_COMPILE_THREADS=0 leaves them alone."""
-    from . import tuning
+    from lrdsl.runtime import tuning
     if tuning.enabled():
         tuning.compile_loaded_autotuners("fla")
 

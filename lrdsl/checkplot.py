@@ -19,8 +19,9 @@ from dataclasses import replace
 import numpy as np
 import sympy as sp
 
-from . import ir, witness
-from .errors import LrdslError
+from lrdsl.frontend import ir
+from lrdsl.checks import witness
+from lrdsl.errors import LrdslError
 
 HEADS = 8  # heads drawn when the transition depends on the head index
 FAR = 1e6  # horizons beyond this many tokens are drawn as "never"
@@ -46,7 +47,7 @@ def at_head(m: ir.Mixer, h: int) -> ir.Mixer:
 def per_head(m: ir.Mixer) -> list:
     """[(label, eigenvalue interval, proved, decay interval)], one row per head when the transition
     reads h, else one row for every head."""
-    from .checker import analyse
+    from lrdsl.checks.checker import analyse
     uses_h = any(sp.sympify(e).has(ir.HEAD) for e, _ in m.expressions())
     rows = []
     for h in (range(HEADS) if uses_h else [None]):
@@ -96,7 +97,7 @@ def draw(mixer, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from .printer import transition
+    from lrdsl.frontend.printer import transition
     m, facts = mixer.ir, mixer.check()
     rows = per_head(m)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))

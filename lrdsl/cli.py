@@ -6,7 +6,7 @@ import json
 import signal
 import sys
 
-from .errors import LrdslError, SpecError
+from lrdsl.errors import LrdslError, SpecError
 
 EPILOG = """examples:
   lrdsl show examples/gated_deltanet.lr        explicit form, canonical form, which kernels chunk runs
@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lrdsl", description="Compile linear-recurrence token mixers "
                                 "from a spec: parse, check the transition, emit kernels.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from . import __version__
+    from lrdsl._version import __version__
     p.add_argument("--version", action="version", version=f"lrdsl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     s = sub.add_parser("show", help="print the explicit form, the canonical form and the kernels of a spec",
@@ -146,20 +146,20 @@ def _mqar_parser(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from .errors import LrdslError
+    from lrdsl.errors import LrdslError
     try:
         import torch
         import triton  # noqa: F401
     except ImportError as e:
         raise LrdslError(f"lrdsl bench needs torch and triton: {e}") from None
-    from . import bench
+    from lrdsl import bench
     try:
         shape = bench.parse_shape(args.shape)
     except ValueError as e:
         raise LrdslError(str(e)) from None
     if not torch.cuda.is_available():
         raise LrdslError("lrdsl bench times GPU kernels, and torch sees no CUDA device")
-    from .api import compile
+    from lrdsl.api import compile
     done = 0
     # a bench of many specs takes minutes: each spec's row is printed as it finishes, so a stop
     # by Ctrl-C or `timeout` (SIGTERM), or a kill, leaves the rows of the specs it finished
@@ -191,7 +191,7 @@ def _interrupt(signum, frame):
 
 
 def _load(path: str, check_stability: bool):
-    from .api import compile
+    from lrdsl.api import compile
     return compile(path, check_stability=check_stability, load_kernels=False)
 
 
@@ -212,8 +212,8 @@ def kernels_text(m) -> str:
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
     decode = decode.format("")
-    from .codegen.plan import plan
-    from .split import split_ir
+    from lrdsl.codegen.plan import plan
+    from lrdsl.codegen.split import split_ir
     p = plan(m)
     wide = f"           keys wider than {p.staged_max_k} take the general kernels (templates/chunk.py.jinja)\n"
     if p.staged:
@@ -224,7 +224,7 @@ def kernels_text(m) -> str:
     s = split_ir(m)
     if s is None:
         return f"chunk      the general kernels (templates/chunk.py.jinja): {p.staged_reason}\n" + decode
-    from . import printer
+    from lrdsl.frontend import printer
     native = ("           with LRDSL_NATIVE_RANK2=1, without gradients (finite inputs): the native staged\n"
               f"           forward on {p.staged_chunk}-token chunks (templates/staged_rank2.py.jinja; less memory,\n"
               "           slower so far)\n")
@@ -234,9 +234,9 @@ def kernels_text(m) -> str:
 
 
 def cmd_check(args) -> int:
-    from .checker import explain, stability_error
+    from lrdsl.checks.checker import explain, stability_error
     if args.plot:
-        from . import checkplot
+        from lrdsl import checkplot
         if not checkplot.available():
             raise LrdslError("--plot needs matplotlib, which is not installed: pip install matplotlib, "
                              "or leave out --plot")
@@ -246,7 +246,7 @@ def cmd_check(args) -> int:
     if args.json:
         print(json.dumps(facts, indent=2, sort_keys=True))
     else:
-        from .printer import transition
+        from lrdsl.frontend.printer import transition
         print(f"mixer {m.name}: M_t = {transition(m.ir)}")
         print(explain(facts), end="")
     if args.plot:  # drawn for a refused spec too: that picture says why
@@ -261,8 +261,9 @@ def cmd_compile(args) -> int:
     import os
     from pathlib import Path
 
-    from .errors import LrdslError
-    from .runtime import generate, write_atomic
+    from lrdsl.errors import LrdslError
+    from lrdsl.codegen.generate import generate
+    from lrdsl.runtime.loader import write_atomic
     m = _load(args.spec, check_stability=True)
     source = generate(m.ir)
     path = Path(args.output) / f"{m.name}.py"
@@ -283,7 +284,7 @@ def _refuse_shadowing(name: str, path) -> None:
     import importlib.util
     from pathlib import Path
 
-    from .errors import LrdslError
+    from lrdsl.errors import LrdslError
     try:
         found = importlib.util.find_spec(name)
     except (ImportError, ValueError):
@@ -313,14 +314,14 @@ class _ProgressBar:
 
 
 def cmd_fuzz(args) -> int:
-    from .errors import LrdslError
+    from lrdsl.errors import LrdslError
     if args.examples < 1:
         raise LrdslError(f"--examples must be at least 1, got {args.examples}")
     if args.tol is not None and not args.tol > 0:
         raise LrdslError(f"--tol must be positive, got {args.tol}")
     device = _device(args.device)
     tol = args.tol if args.tol is not None else (1e-4 if device == "cpu" else 5e-3)
-    from .fuzz import run_fuzz
+    from lrdsl.fuzz import run_fuzz
     m = _load(args.spec, check_stability=True)
     bar = _ProgressBar()
     try:
@@ -342,7 +343,7 @@ def _device(asked: str | None) -> str:
     which must be switched on before triton is first imported."""
     import os
 
-    from .errors import LrdslError
+    from lrdsl.errors import LrdslError
     device = asked
     if device != "cpu":
         import torch
@@ -357,19 +358,19 @@ def _device(asked: str | None) -> str:
 
 
 def cmd_mqar(args) -> int:
-    from .errors import LrdslError
-    from .mqar import Config
+    from lrdsl.errors import LrdslError
+    from lrdsl.mqar import Config
     cfg = Config(seq_lens=args.seq_lens, pairs=args.pairs, vocab=args.vocab, d_model=args.d_model,
                  n_layers=args.layers, heads=args.heads, head_dim=args.head_dim, steps=args.steps,
                  batch=args.batch, lr=args.lr, eval_sequences=args.eval_sequences, seed=args.seed)
     cfg.validate()
-    from . import mqar
+    from lrdsl import mqar
     if args.plot and not mqar.plot_available():
         raise LrdslError("--plot needs matplotlib, which is not installed: pip install matplotlib, or leave "
                          "out --plot to print the table only")
     device = _device(args.device)
-    from .api import compile
-    from .nn import Layer
+    from lrdsl.api import compile
+    from lrdsl.nn import Layer
     mixers = {}
     for path in args.spec:  # every spec compiled and fitted into a layer before any training
         m = compile(path)

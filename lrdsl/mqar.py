@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import LrdslError
-from .nn import Layer
+from lrdsl.errors import LrdslError
+from lrdsl.nn import Layer
 
 
 @dataclass(frozen=True)

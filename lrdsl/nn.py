@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import InputError, LrdslError
-from .tensors import MixerState
+from lrdsl.errors import InputError, LrdslError
+from lrdsl.runtime.tensors import MixerState
 
 CONVOLVED = ("q", "k", "v")
 
@@ -134,7 +134,7 @@ class Layer(nn.Module):
                  head_v_dim: int | None = None, use_short_conv: bool = True, conv_size: int = 4,
                  use_output_gate: bool = True, norm_eps: float = 1e-5):
         super().__init__()
-        from .api import Mixer, compile
+        from lrdsl.api import Mixer, compile
         if isinstance(spec, (str, os.PathLike)):
             spec = compile(spec)
         if not isinstance(spec, Mixer):
@@ -164,7 +164,7 @@ class Layer(nn.Module):
             if self.kinds[inp.name] == "decay":
                 self._add(f"{inp.name}_A_log", nn.Parameter(torch.empty(heads)))
                 self._add(f"{inp.name}_dt_bias", nn.Parameter(torch.empty(heads, width)))
-        from .params import param_shape
+        from lrdsl.frontend.params import param_shape
         for p in spec.ir.params:
             self._add(p.name, nn.Parameter(torch.empty(param_shape(p, self.num_v_heads, self.head_dim, self.head_v_dim))))
         HV, V = self.num_v_heads, self.head_v_dim
@@ -202,7 +202,7 @@ class Layer(nn.Module):
     @torch.no_grad()
     def reset_params(self) -> None:
         """Draw every param of the spec by its init (lrdsl/params.py)."""
-        from .params import sample
+        from lrdsl.frontend.params import sample
         for p in self.mixer.ir.params:
             t = getattr(self, p.name)
             t.copy_(sample(p.init, tuple(t.shape)))

@@ -1,6 +1,6 @@
 """The checker's facts once per spec for the test session, installed by conftest.py.
 
-lrdsl.checker.check(ir) (sympy analysis and a seeded witness search) is a pure function of the IR,
+lrdsl.checks.checker.check(ir) (sympy analysis and a seeded witness search) is a pure function of the IR,
 which is frozen and compares by value (not by its source spans). The tests compile the same specs
 many times (the examples in most files, each test's own spec text more than once): of ~300 checks
 in `pytest -q` only ~100 were of different specs, ~20 s of repeated sympy. The memo hands out a
@@ -15,8 +15,8 @@ _FACTS: dict = {}
 
 
 def install():
-    """Wrap lrdsl.checker.check with the memo (idempotent)."""
-    from lrdsl import checker
+    """Wrap lrdsl.checks.checker.check with the memo (idempotent)."""
+    from lrdsl.checks import checker
     if getattr(checker.check, "_lrdsl_tests", False):
         return
     fresh = checker.check

@@ -9,9 +9,9 @@ that it makes no token-sized tensor on the host."""
 import pytest
 import torch
 
-import lrdsl.autograd as ag
-from lrdsl.fuzz import rms_ratio
-from lrdsl.scan import first_order_scan_triton
+import lrdsl.runtime.autograd as ag
+from lrdsl.testing import rms_ratio
+from lrdsl.runtime.scan import first_order_scan_triton
 import test_backward
 import test_state
 
@@ -113,7 +113,7 @@ def test_generated_aux_chain_rule_makes_no_token_sized_tensor_on_the_host(compil
     the gradients still match the reference."""
     from torch.utils._python_dispatch import TorchDispatchMode
     import triton.runtime.interpreter as interp
-    from lrdsl.fuzz import Case
+    from lrdsl.testing import Case
     case = Case(B=2, T=40, H=2, HV=2, K=16, V=16, initial_state=True, seed=5)
     full = case.B * case.T * case.HV * case.K
     made, inside, on, calls = [], [0], [False], []

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import lrdsl
-from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 from specgen import axis_specs, default_first, example_params, kernel_examples
 from test_recurrent import general_kernels
 
@@ -131,7 +131,7 @@ def describe(errors):
 def repro(load: str, case: Case, output_final_state: bool, seed: int) -> str:
     """A shell command that reruns one comparison and prints every error ratio."""
     code = (f"import sys; sys.path[:0] = ['tests']; import conftest, lrdsl, test_backward as t; "
-            f"from lrdsl.fuzz import Case; m = {load}; "
+            f"from lrdsl.testing import Case; m = {load}; "
             f"print(t.compare(m, {case!r}, {output_final_state}, {seed}))")
     return f"cd {ROOT} && .venv/bin/python -c {code!r}"
 
@@ -287,7 +287,7 @@ def test_kept_intermediates_are_freed_by_the_backward(path, compiled, monkeypatc
     to 3) and gets the same gradients."""
     import weakref
 
-    import lrdsl.autograd as ag
+    import lrdsl.runtime.autograd as ag
     mixer = compiled(ROOT / "examples" / "gated_deltanet.lr", keep_intermediates=True)
     if path == "general":
         general_kernels(mixer, monkeypatch)
@@ -471,7 +471,7 @@ def test_fuzz_command_reports_gradients_by_default(compiled, capsys):
 def test_first_order_scan_matches_a_token_loop():
     """The doubling scan behind the chain rule of auxiliary states, against the plain recurrence,
     with resets (alpha = 0) where sequences start."""
-    from lrdsl.autograd import first_order_scan
+    from lrdsl.runtime.autograd import first_order_scan
     gen = torch.Generator().manual_seed(5)
     alpha = torch.rand(2, 45, 3, 7, generator=gen, dtype=torch.float64)
     alpha[:, [0, 11, 12, 40]] = 0.0
@@ -566,7 +566,7 @@ def test_staged_dk_takes_the_chain_rule_of_scalar_decay_delta_rules():
     chain rule (_chain_tokens) and stores the inputs' gradients, and q's is made where r's is (in
     staged_dk, or in staged_dr where stage 3 splits: plan.split_dk); a decay per key channel (kda)
     and a gated write value (CHAINED: its gradient needs dz) keep the kernel."""
-    from lrdsl.runtime import generate
+    from lrdsl.codegen.generate import generate
     source = lambda m: generate(m.ir)
     # (stem, stage 3's first kernel, the kernel that makes r's gradient)
     for stem, first, r_kernel in (("gated_deltanet", "staged_de_kernel", "staged_dr_kernel"),
@@ -638,7 +638,7 @@ def test_stage_three_takes_three_launches_with_an_erase(split, monkeypatch):
     one-launch kernel by turning both properties off) gated_deltanet's gradients match the float64
     reference, and each stage-3 kernel runs once per backward."""
     from lrdsl.codegen.plan import Plan, plan
-    from lrdsl.runtime import generate
+    from lrdsl.codegen.generate import generate
     plans = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir) for p in EXAMPLES}
     assert {s for s, p in plans.items() if p.split_dk} == {"gated_deltanet", "gated_deltanet_gates",
                                                           "gated_deltanet_negeig", "precond_deltanet",

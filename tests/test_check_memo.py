@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 import lrdsl
-from lrdsl import checker
+from lrdsl.checks import checker
 
 ROOT = Path(__file__).resolve().parent.parent
 

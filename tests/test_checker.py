@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import sympy as sp
 
-from lrdsl.checker import check, explain, stability_error
+from lrdsl.checks.checker import check, explain, stability_error
 from lrdsl.frontend import spec_to_ir
 
 SPECS = {

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lrdsl.checker import check
+from lrdsl.checks.checker import check
 from lrdsl.frontend import spec_to_ir
 
 ROOT = Path(__file__).resolve().parent.parent

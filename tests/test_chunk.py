@@ -14,7 +14,7 @@ import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 
 import lrdsl
-from lrdsl.fuzz import TOL, Case, check_case, draw_inputs, rms_ratio
+from lrdsl.testing import TOL, Case, check_case, draw_inputs, rms_ratio
 
 import pytest
 from specgen import axis_specs, default_first, example_params
@@ -344,7 +344,7 @@ def test_output_factors_stored_by_the_wy_stage(name, compiled):
     its own; float64 from the same inputs, packed sequences, a nan in one token's key that reaches
     that token's number alone."""
     from lrdsl.codegen.plan import plan
-    from lrdsl.reference import L2NORM_EPS
+    from lrdsl.runtime.reference import L2NORM_EPS
     mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
     assert plan(mixer.ir).output_factors == ("key",)
     case = Case(B=1, T=100, H=2, HV=4, K=20, V=12, cu_seqlens=(0, 37, 100), seed=13)

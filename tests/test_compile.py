@@ -17,8 +17,9 @@ import torch
 
 import lrdsl
 from specgen import kernel_examples
-from lrdsl import cli, runtime
-from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+from lrdsl import cli
+from lrdsl.runtime import loader as runtime
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)
@@ -274,7 +275,7 @@ WRITER = textwrap.dedent('''
     import sys, time
     from pathlib import Path
     import lrdsl
-    from lrdsl import runtime
+    from lrdsl.runtime import loader as runtime
     barrier, me, n, spec = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     m = lrdsl.compile(spec)
     source = runtime.generate(m.ir)

@@ -22,12 +22,12 @@ import torch
 
 import lrdsl
 from lrdsl.errors import InputError
-from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 from specgen import kernel_examples
 
 EXAMPLES = {p.stem: p for p in kernel_examples()}
 ROOT = Path(__file__).resolve().parent.parent
-FALLBACK = "cp_fallback_test_only"  # its write's value does not vanish with v (lrdsl.cp.widens)
+FALLBACK = "cp_fallback_test_only"  # its write's value does not vanish with v (lrdsl.runtime.cp.widens)
 SPECS = {**EXAMPLES, FALLBACK: ROOT / "tests" / "specs" / f"{FALLBACK}.lr"}
 TOL_GATE = 1e-3
 
@@ -133,7 +133,7 @@ def worker(rank, world, jobs, out_dir, backend="gloo"):
 def job(rank, world, spec, split: Split, device) -> dict:
     """This rank's o, final states of the sequences ending on it, gradients and local chunk calls."""
     import torch.distributed as dist
-    from lrdsl.cp import pieces
+    from lrdsl.runtime.cp import pieces
     case = split.case
     mixer = lrdsl.compile(spec, check_stability=False)  # the parent checked it
     calls, plain = [], mixer.chunk
@@ -220,10 +220,10 @@ def check(name, split, compiled, backend="gloo", ranks=None):
 
 def check_calls(mixer, split, calls):
     """Each rank runs its tokens once: its head (the sequence continuing from the left, with K more
-    value columns that carry its map where lrdsl.cp.widens) and the rest; a rank whose state is
+    value columns that carry its map where lrdsl.runtime.cp.widens) and the rest; a rank whose state is
     carried on runs one more call for the auxiliary maps (two starts, one value channel) and, where
     the head does not widen, one for the state's maps (batched starts)."""
-    from lrdsl.cp import pieces, widens
+    from lrdsl.runtime.cp import pieces, widens
     case = split.case
     every = pieces(None if case.cu_seqlens is None else list(case.cu_seqlens), case.B, list(split.lengths))
     for r, p in enumerate(every):
@@ -287,7 +287,7 @@ def test_cp_matches_single_process_and_reference(name, split_name, compiled, cp_
 
 
 def test_cp_layout_of_straddling_and_empty_sequences():
-    from lrdsl.cp import pieces
+    from lrdsl.runtime.cp import pieces
     got = pieces([0, 20, 140, 140, 160, 190], 1, [45, 50, 40, 55])
     assert [(p.first, p.last, p.cu, p.from_left, p.through) for p in got] == [
         (0, 1, (0, 20, 45), False, False), (1, 1, (0, 50), True, True), (1, 1, (0, 40), True, True),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrdsl.fuzz import Case
+from lrdsl.testing import Case
 from test_cp import SPECS, Split, check
 
 pytestmark = pytest.mark.gpu

@@ -17,7 +17,8 @@ import lrdsl
 from specgen import kernel_examples
 import lrdsl.api
 from lrdsl import cli
-from lrdsl.fuzz import Case, draw_inputs, rms_ratio, run_fuzz, snippet
+from lrdsl.testing import Case, draw_inputs, rms_ratio, snippet
+from lrdsl.fuzz import run_fuzz
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)

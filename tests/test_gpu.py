@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import lrdsl
-from lrdsl.params import sample
+from lrdsl.frontend.params import sample
 from specgen import kernel_examples
 
 EXAMPLES = [str(p) for p in kernel_examples()]  # every example but the offline solve
@@ -489,7 +489,7 @@ def test_a_tuning_space_is_compiled_at_once_then_timed(tmp_path, monkeypatch):
     first config's (as in the test above)."""
     import triton
 
-    from lrdsl import tuning
+    from lrdsl.runtime import tuning
     mixer, grads = _gradients_of("gated_deltanet", seed=8)
     mod = mixer.kernels
     first = grads()
@@ -529,7 +529,7 @@ def test_a_first_call_compiles_its_kernels_ahead_then_tunes(tmp_path, monkeypatc
     the call that follows tunes them and gives the first configs' output."""
     import triton
 
-    from lrdsl import tuning
+    from lrdsl.runtime import tuning
     mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", "kda.lr"))
     mod = mixer.kernels
     x = draw(mixer, 2, 1024, 4, 4, 128, 128, torch.bfloat16, "cuda", torch.Generator(device="cuda").manual_seed(11))

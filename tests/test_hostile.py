@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import lrdsl
-from lrdsl import runtime
+from lrdsl.runtime import loader as runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,7 +159,7 @@ def test_simplify_never_sees_deeply_nested_functions(monkeypatch):
     the front end, checker and plan call it only on shallow expressions."""
     import sympy as sp
 
-    from lrdsl import symbolic
+    from lrdsl.frontend import symbolic
     real, seen = sp.simplify, []
 
     def spy(e, *a, **k):

@@ -12,7 +12,7 @@ import triton.language as tl
 
 import interpreter_calls
 import lrdsl
-from lrdsl.fuzz import Case, draw_inputs
+from lrdsl.testing import Case, draw_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE = Case(B=1, T=21, H=1, HV=1, K=16, V=12, initial_state=True, seed=5)  # one program per launch: runs twice

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import lrdsl
-from lrdsl.fuzz import rms_ratio
+from lrdsl.testing import rms_ratio
 
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "mesa.lr"
 RETENTION = SPEC.parent / "mesa_retention.lr"  # a constant decay per head, lamb = 0.25 + softplus(x)
@@ -282,7 +282,7 @@ def test_the_backward_ends_in_the_generated_chain_rule(which, compiled, small_ch
     """Specs without auxiliary states take the generated chain-rule kernel (the vectors kk and lam
     included), not PyTorch's: with that one switched off, the gradients of every input (packed
     sequences, grouped value heads) still match the float64 reference."""
-    import lrdsl.autograd
+    import lrdsl.runtime.autograd
 
     def refuse(*args, **kwargs):
         raise AssertionError("PyTorch's chain rule ran")
@@ -296,7 +296,7 @@ def test_the_backward_ends_in_the_generated_chain_rule(which, compiled, small_ch
         xs = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
         return torch.autograd.grad((call(**xs, cu_seqlens=cu)[0] * w.to(dtype)).sum(), list(xs.values()))
     want = grads(mixer.reference, torch.float64)
-    monkeypatch.setattr(lrdsl.autograd, "vector_chain_rule", refuse)
+    monkeypatch.setattr(lrdsl.runtime.autograd, "vector_chain_rule", refuse)
     got = grads(mixer.chunk, torch.float32)
     errors = {n: rms_ratio(a, b) for n, a, b in zip(x, got, want)}
     assert all(e < 1e-4 for e in errors.values()), errors
@@ -333,8 +333,8 @@ def test_few_steps_stay_within_the_cg_bound(compiled, small_chunks):
 
 def _kappas(mixer, x):
     """The true condition number of G_t + diag(lam_t) at every token (float64, one head)."""
-    from lrdsl.autograd import token_vectors
-    from lrdsl.tensors import validate
+    from lrdsl.runtime.autograd import token_vectors
+    from lrdsl.runtime.tensors import validate
     b = validate(mixer.ir, x["q"], x["k"], x["v"], {n: t for n, t in x.items() if n not in ("q", "k", "v")})
     vec = token_vectors(mixer.ir, b, torch.float64)
     d = torch.exp(vec["gl"]) if "gl" in vec else torch.ones(vec["u"].shape[:3], dtype=torch.float64)
@@ -379,8 +379,9 @@ def test_fuzz_covers_offline_solves_with_cgs_tolerance(compiled):
     """lrdsl fuzz runs recurrent, chunk and the chunk gradients of offline solves; each case's
     tolerance is CG's (cg_tolerance) from a condition-number bound of that case (kappa_bound),
     which is at least the true condition number."""
-    from lrdsl.fuzz import Case, draw_inputs, run_fuzz
-    from lrdsl.offline import cg_tolerance, kappa_bound
+    from lrdsl.testing import Case, draw_inputs
+    from lrdsl.fuzz import run_fuzz
+    from lrdsl.runtime.offline import cg_tolerance, kappa_bound
     assert cg_tolerance(30, 16, 100.0, 1e-4) == 1e-4  # steps >= K: rounding only, 16 eps 100 < 1e-4
     assert cg_tolerance(30, 16, 1e5, 1e-4) == pytest.approx(16 * 2 ** -24 * 1e5)
     assert cg_tolerance(3, 16, 100.0, 1e-4) > 0.1  # 3 steps of 16: CG's rate dominates
@@ -388,7 +389,7 @@ def test_fuzz_covers_offline_solves_with_cgs_tolerance(compiled):
     case = Case(B=1, T=30, H=1, HV=1, K=16, V=16, seed=13)
     x, _ = draw_inputs(mixer, case)
     x = {n: t.double() for n, t in x.items()}
-    from lrdsl.tensors import validate
+    from lrdsl.runtime.tensors import validate
     batch = validate(mixer.ir, x["q"], x["k"], x["v"], {n: t for n, t in x.items() if n not in ("q", "k", "v")})
     assert max(_kappas(mixer, x)) <= kappa_bound(mixer.ir, batch)
     result = run_fuzz(compiled(SPEC), examples=2, device="cpu", seed=3)

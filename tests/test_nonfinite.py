@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lrdsl
-from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 from specgen import axis_specs
 from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules, general_kernels, state_parts
 

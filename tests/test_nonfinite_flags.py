@@ -11,7 +11,7 @@ import torch
 
 import lrdsl
 import test_nonfinite
-from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 from test_nonfinite import check_causal, check_earlier_dq, semantics, spec_path, spoil  # noqa: F401 (semantics: a fixture)
 from test_recurrent import DEVICE, general_kernels
 

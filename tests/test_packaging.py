@@ -1,4 +1,4 @@
-"""A built, non-editable wheel carries grammar/ and templates/ and works from any directory."""
+"""A built, non-editable wheel carries the grammar and the templates and works from any directory."""
 import os
 import subprocess
 import sys
@@ -13,9 +13,9 @@ def test_wheel_ships_grammar_templates_and_runs(tmp_path):
                     "-w", str(wheels), ROOT], check=True, capture_output=True)
     (wheel,) = list(wheels.glob("lrdsl-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "lrdsl/grammar/lrdsl.lark" in names
-    assert {"lrdsl/templates/module.py.jinja", "lrdsl/templates/chunk.py.jinja",
-            "lrdsl/templates/recurrent.py.jinja", "lrdsl/codegen/plan.py"} <= names
+    assert "lrdsl/frontend/lrdsl.lark" in names
+    assert {"lrdsl/codegen/templates/module.py.jinja", "lrdsl/codegen/templates/chunk.py.jinja",
+            "lrdsl/codegen/templates/recurrent.py.jinja", "lrdsl/codegen/plan.py"} <= names
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
                     str(wheel)], check=True, capture_output=True)

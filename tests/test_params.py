@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import lrdsl
-from lrdsl import printer
+from lrdsl.frontend import printer
 from lrdsl.errors import InputError, SpecError
 from lrdsl.frontend import spec_to_ir
-from lrdsl.fuzz import Case, draw_inputs, rms_ratio
-from lrdsl.params import sample
+from lrdsl.testing import Case, draw_inputs, rms_ratio
+from lrdsl.frontend.params import sample
 from specgen import default_first
 from test_backward import ROOT, TOL_QKV, compare, describe, grad_cases
 
@@ -171,7 +171,7 @@ def test_witnesses_hold_a_param_for_the_whole_sequence():
     """The numeric search draws per-token inputs anew at every token but a param once."""
     import numpy as np
 
-    from lrdsl import witness
+    from lrdsl.checks import witness
     num = witness.numeric(spec_to_ir(SPECS["atk_gates"]))
     rng = np.random.default_rng(0)
     for s in (witness._sample(rng, num, 50, 3, 3), witness._perturb(rng, num, witness._sample(rng, num, 50, 3, 3), 0.3)):
@@ -278,7 +278,7 @@ def test_value_channel_params_are_hv_by_v_tensors():
 def test_kernels_load_params_once_per_head():
     """The params reach the kernels as [HV] tensors, loaded at the head's offset where the gates are
     evaluated: no [B, T, HV] copy is made before the launch."""
-    from lrdsl import runtime
+    from lrdsl.runtime import loader as runtime
     src = runtime.generate(spec_to_ir(GATES.read_text()))
     assert 'PARAMS = ("A_log", "dt_bias", )' in src
     assert "b_A_log = tl.load(in_A_log + i_hv).to(tl.float32)" in src  # the recurrent kernel

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import sympy as sp
 
-from lrdsl import ir
-from lrdsl.checker import check
+from lrdsl.frontend import ir
+from lrdsl.checks.checker import check
 from lrdsl.frontend import spec_to_ir
-from lrdsl.ranges import Ranges
+from lrdsl.checks.ranges import Ranges
 
 INPUTS = "input q[K], k[K] l2norm, v[V], b in (0, 1), c in (0, 1), a, x, dt in (-1, 1), y in [-2, 3]"
 BOX = {"b": (0, 1), "c": (0, 1), "a": (-6, 6), "x": (-30, 30), "dt": (-1, 1), "y": (-2, 3)}
@@ -49,7 +49,7 @@ def sample(m, n=20000, seed=0):
         ends = rng.random(n) < 0.25
         env[name] = np.where(ends, rng.choice([lo + 1e-9 * (hi - lo), hi - 1e-9 * (hi - lo)], n), x)
     e = m.inline_lets(ir.symbol("r"))
-    from lrdsl import primitives
+    from lrdsl.frontend import primitives
     f = sp.lambdify([ir.symbol(k) for k in env], primitives.expanded(e), [primitives.NUMPY, "numpy"])
     with np.errstate(all="ignore"):
         return np.broadcast_to(f(*env.values()), (n,))

@@ -13,7 +13,7 @@ import torch
 import lrdsl
 from lrdsl.api import Mixer
 from lrdsl.codegen.plan import plan
-from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 from test_backward import count_launches
 from test_chunk import check_fp16, reference
 from test_nonfinite import check_causal, spoil

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lrdsl
-from lrdsl.fuzz import TOL, Case, check_case, draw_inputs, rms_ratio
+from lrdsl.testing import TOL, Case, check_case, draw_inputs, rms_ratio
 from specgen import axis_specs, default_first, example_params, kernel_examples
 
 EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)

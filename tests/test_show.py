@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import lrdsl
-from lrdsl import printer
+from lrdsl.frontend import printer
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.lr"))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import lrdsl
-from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
-from lrdsl.split import interleave, phases, split_ir
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
+from lrdsl.codegen.split import interleave, phases, split_ir
 from test_backward import compare
 from test_recurrent import DEVICE, EXAMPLES
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import lrdsl
-from lrdsl.fuzz import TOL, Case, draw_inputs, rms_ratio
-from lrdsl.offline import case_tolerance
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
+from lrdsl.testing import case_tolerance
 
 from test_recurrent import DEVICE, EXAMPLES, general_kernels
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lrdsl import tuning
+from lrdsl.runtime import tuning
 
 
 class FakeConfig:
@@ -120,7 +120,7 @@ def _module_with_kernels(monkeypatch):
     x = torch.ones(3)
     mod.t2.cache[(4, str(x.dtype))] = space[1]
     log = []
-    for name in ("t1", "t2", "p"):  # the launches (as lrdsl.tuning._wrap's instance attribute)
+    for name in ("t1", "t2", "p"):  # the launches (as lrdsl.runtime.tuning._wrap's instance attribute)
         getattr(mod, name).run = lambda *a, _n=name, **k: log.append(("launch", _n))
     monkeypatch.setattr(tuning, "_submit", lambda fn, args, kwargs: log.append(
         ("compile", fn.fn.__name__, kwargs.get("BV"), kwargs.get("H"))))

@@ -1,0 +1,1 @@
+"""IR -> plan -> schedule -> rendered module source (templates/ holds the Jinja templates)."""

@@ -1,0 +1,41 @@
+"""Plan -> Python source of a standalone module (kernels, host wrappers). Deterministic."""
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+
+import jinja2
+
+from lrdsl.codegen.plan import Plan
+
+
+@functools.lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    root = resources.files("lrdsl.codegen.templates")
+
+    def load(name):
+        return root.joinpath(name).read_text()
+
+    return jinja2.Environment(loader=jinja2.FunctionLoader(load), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def render(plan: Plan, version: str) -> str:
+    return _render("module.py.jinja", plan=plan, version=version)
+
+
+def render_solve(solve, version: str) -> str:
+    """The module of an offline-solve mixer (codegen/solve.py's SolvePlan)."""
+    return _render("mesa_module.py.jinja", solve=solve, plan=solve.base, version=version)
+
+
+def _render(template: str, **context) -> str:
+    try:
+        text = _env().get_template(template).render(**context)
+    except jinja2.TemplateSyntaxError as e:  # a bug in a template, not in the user's spec
+        raise RuntimeError(f"template {e.name}:{e.lineno}: {e.message}") from None
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    text = re.sub(r"\n{4,}", "\n\n\n", text)
+    return text

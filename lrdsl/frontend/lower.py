@@ -1,0 +1,593 @@
+"""Explicit-form AST -> canonical IR.
+
+Expressions are typed as they are lowered: an elementwise value (one number per head, per key
+channel or per value channel), a row vector, a K x K matrix (a sum of diag(d) and u c^T terms),
+a [K, V] state expression (M S terms plus rank-1 writes), S^T, or the readout S^T x. Products
+are expanded term by term, so whatever order the user wrote the transition in, it normalises to
+(I - a c^T) D or D (I - a c^T) plus one write, or is refused with the form that was found.
+"""
+from __future__ import annotations
+
+import difflib
+import keyword
+import re
+import sys
+from dataclasses import dataclass
+
+import sympy as sp
+
+from lrdsl.frontend import ir, primitives
+from lrdsl.frontend.desugar import desugar
+from lrdsl.errors import SpecError
+from lrdsl.frontend.symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
+from lrdsl.frontend.params import declared_range, lower_params
+from lrdsl.frontend.syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Params, Readout, Spec, StateDecl, Transpose, Update, Var)
+
+RESERVED = {"S", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
+            "mixer", "input", "param", "state", "let", "allow", "decay", "gain", "precond", "solve", "normalize",
+            "in", "unit", "l2norm", "shared", "none", "constant", "scalar", "diagonal", "channelwise",
+            "atk", "atq", "online", "offline", "scale", "initial_state", "output_final_state",
+            "cu_seqlens", "self", "mixer_name", "torch", "triton", "tl", "math", "inputs"}
+NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}\Z")
+ALLOWS = {"unstable"}
+
+
+def check_name(name: str, span, what: str = "name") -> None:
+    """Names reach generated code and keyword arguments: keep them plain identifiers."""
+    article = "an" if what[0] in "aeiou" else "a"
+    if name in RESERVED or keyword.iskeyword(name) or name.startswith("_"):
+        raise SpecError(f"'{name}' is reserved and cannot be used as {article} {what}; choose another name",
+                        span)
+    if not NAME_RE.match(name):
+        raise SpecError(f"'{name}' is not a valid {what}: use letters, digits and '_', starting "
+                        "with a letter, at most 32 characters", span)
+
+
+# ---- typed values ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Val:  # elementwise: kind "scalar" | "K" | "V"
+    kind: str
+    expr: sp.Expr
+
+
+@dataclass(frozen=True)
+class Row:  # a transposed vector
+    kind: str
+    expr: sp.Expr
+
+
+@dataclass(frozen=True)
+class Mat:  # K x K: terms ("diag", d) | ("outer", u, c)
+    terms: tuple
+
+
+@dataclass(frozen=True)
+class St:  # [K, V]: carried terms (Mat terms multiplying S) and writes ((u, z), ...)
+    carried: tuple
+    writes: tuple
+
+
+@dataclass(frozen=True)
+class StT:  # S^T
+    pass
+
+
+@dataclass(frozen=True)
+class Out:  # S^T x, or S^T (G + diag(lam))^-1 x
+    query: sp.Expr
+    lam: sp.Expr | None = None
+
+
+@dataclass(frozen=True)
+class Gram:  # G + diag(lam): the Gram state of an offline solve, plus a diagonal
+    lam: sp.Expr
+
+
+@dataclass(frozen=True)
+class GramInv:  # (G + diag(lam))^-1, or S^T (G + diag(lam))^-1 when after_state
+    lam: sp.Expr
+    after_state: bool = False
+
+
+def _desc(x) -> str:
+    if isinstance(x, Val):
+        return {"scalar": "a number per head", "K": "a [K] vector", "V": "a [V] vector"}[x.kind]
+    if isinstance(x, Row):
+        return f"a transposed [{x.kind}] vector"
+    if isinstance(x, Mat):
+        return "a [K, K] matrix"
+    if isinstance(x, St):
+        return "a [K, V] state expression"
+    if isinstance(x, StT):
+        return "S^T"
+    if isinstance(x, Gram):
+        return "the Gram state G plus a diagonal"
+    if isinstance(x, GramInv):
+        return "an inverse of G + diag(...)"
+    return "the readout S^T x"
+
+
+MAX_CONSTANT_BITS = 4096  # numerator and denominator of an exact constant (2^4096 ~ 1e1233)
+
+
+def _check_constant(e: sp.Expr, span) -> None:
+    """A constant must be a finite real number of sane size (1/0, log(-1), 2^1000000 are refused)."""
+    if e.has(sp.zoo, sp.nan, sp.oo, -sp.oo) or e.is_number and (e.is_finite is False
+                                                                or e.is_extended_real is False):
+        raise SpecError(f"this constant is not a finite real number ({e}); check divisions by zero and "
+                        "log or sqrt of negative numbers", span)
+    big = any(max(abs(r.p), r.q).bit_length() > MAX_CONSTANT_BITS for r in e.atoms(sp.Rational))
+    if e.is_number and not big and not isinstance(e, sp.Rational):
+        try:
+            big = not abs(complex(e)) <= 1e300  # exp(exp(1000)) and the like
+        except (OverflowError, ValueError, TypeError):
+            big = True
+    if big:
+        raise SpecError("this constant is too large or too small to represent; lrdsl computes in floating "
+                        "point, so keep constants between about 1e-300 and 1e300", span)
+
+
+def _join(a: str, b: str, span, what: str) -> str:
+    if a == b or b == "scalar":
+        return a
+    if a == "scalar":
+        return b
+    raise SpecError(f"cannot {what} a [{a}] vector and a [{b}] vector elementwise; K and V channels differ",
+                    span)
+
+
+class Lowerer:
+    def __init__(self):
+        self.kinds = {"h": "scalar"}
+        self.symbols = {"h": ir.HEAD}
+        self.defined_at = {}
+
+    def name_error(self, name: str, span) -> SpecError:
+        known = sorted(n for n in self.kinds if n != "h")
+        close = difflib.get_close_matches(name, known, n=1)
+        valid = not (name in RESERVED or keyword.iskeyword(name) or name.startswith("_")) and NAME_RE.match(name)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; declare it with `input {name}` or `param {name}`" if valid else ""
+        return SpecError(f"unknown name '{name}'{hint}", span)
+
+    # -- expressions
+    def expr(self, node):
+        m = getattr(self, "e_" + type(node).__name__)
+        out = m(node)
+        if isinstance(out, Val):
+            _check_constant(out.expr, node.span)
+        return out
+
+    def e_Num(self, n: Num):
+        return Val("scalar", sp.Rational(n.value.numerator, n.value.denominator))
+
+    def e_Var(self, n: Var):
+        if n.name == "I":
+            return Mat((("diag", sp.Integer(1)),))
+        if n.name == "S":
+            return St((("diag", sp.Integer(1)),), ())
+        if n.name == "G":
+            return Gram(sp.Integer(0))
+        if n.name not in self.kinds:
+            raise self.name_error(n.name, n.span)
+        return Val(self.kinds[n.name], self.symbols[n.name])
+
+    def e_Neg(self, n: Neg):
+        return self.scale(self.expr(n.x), sp.Integer(-1), n.span)
+
+    def e_Transpose(self, n: Transpose):
+        x = self.expr(n.x)
+        if isinstance(x, Val):
+            if x.kind == "scalar":
+                return x
+            return Row(x.kind, x.expr)
+        if isinstance(x, Row):
+            return Val(x.kind, x.expr)
+        if isinstance(x, Mat):
+            return Mat(tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in x.terms))
+        if isinstance(x, St) and x.carried == (("diag", 1),) and not x.writes:
+            return StT()
+        raise SpecError(f"cannot transpose {_desc(x)}; only vectors, [K, K] matrices and S itself (in the "
+                        "readout o = S^T q) can be transposed", n.span)
+
+    def e_Call(self, n: Call):
+        f = n.func
+        if f == "squash":
+            return self.squash(n)
+        if n.kwargs:
+            raise SpecError(f"{f}(...) takes no named arguments", n.span)
+        prim = primitives.BY_NAME.get(f)
+        want = 1 if prim is None else prim.arity
+        if len(n.args) != want and not (want == 0 and len(n.args) >= 2):
+            wanted = "two or more arguments" if want == 0 else "one argument" if want == 1 else f"{want} arguments"
+            usage = f"; write {f}({prim.params})" if prim else ""
+            raise SpecError(f"{f}(...) takes {wanted}, got {len(n.args)}{usage}", n.span)
+        xs = [self.expr(a) for a in n.args]
+        if f == "diag":
+            x = xs[0]
+            if not (isinstance(x, Val) and x.kind in ("K", "scalar")):
+                raise SpecError(f"diag(...) takes a [K] vector (or a number), not {_desc(x)}", n.span)
+            return Mat((("diag", x.expr),))
+        for x in xs:
+            if not isinstance(x, Val):
+                raise SpecError(f"{f}(...) applies elementwise to numbers and vectors, not to {_desc(x)}", n.span)
+        kind = xs[0].kind
+        for x in xs[1:]:
+            kind = _join(kind, x.kind, n.span, f"take {f}(...) of")
+        return Val(kind, prim.form(*(x.expr for x in xs)))
+
+    def squash(self, n: Call):
+        if len(n.args) != 1:
+            raise SpecError("squash(...) takes one vector and the options x and center, "
+                            "e.g. squash(P, x = 1.5, center = -0.2)", n.span)
+        x = self.expr(n.args[0])
+        if not isinstance(x, Val):
+            raise SpecError(f"squash(...) applies elementwise, not to {_desc(x)}", n.span)
+        opts = {"x": sp.Rational(3, 2), "center": sp.Rational(-1, 5)}
+        for name, node in n.kwargs:
+            if name not in opts:
+                raise SpecError(f"squash(...) has no option '{name}'; its options are x and center", n.span)
+            val = self.expr(node)
+            if not (isinstance(val, Val) and val.expr.is_number):
+                raise SpecError(f"squash option {name} must be a number", n.span)
+            opts[name] = val.expr
+        if not (opts["x"].is_number and opts["x"] > 1):
+            raise SpecError("squash option x must be greater than 1 (m lies in (1/x, x))", n.span)
+        return Val(x.kind, ir.squash(x.expr, opts["x"], opts["center"]))
+
+    def e_BinOp(self, n: BinOp):
+        a, b = self.expr(n.lhs), self.expr(n.rhs)
+        return getattr(self, "op_" + n.op)(a, b, n)
+
+    def op_add(self, a, b, n, sign=1):
+        for g, d in ((a, b), (b, a)):
+            if isinstance(g, Gram) and isinstance(d, Mat) and sign == 1 and all(t[0] == "diag" for t in d.terms):
+                return Gram(g.lam + sum((t[1] for t in d.terms), sp.Integer(0)))
+        if isinstance(a, Val) and isinstance(b, Val):
+            return Val(_join(a.kind, b.kind, n.span, "add"), a.expr + sign * b.expr)
+        if isinstance(a, Mat) and isinstance(b, Mat):
+            return Mat(a.terms + self.scale(b, sign, n.span).terms)
+        if isinstance(a, St) and isinstance(b, St):
+            b = self.scale(b, sign, n.span)
+            return St(a.carried + b.carried, a.writes + b.writes)
+        hint = "; write I for the identity matrix" if {type(a), type(b)} == {Val, Mat} else ""
+        raise SpecError(f"cannot {'add' if sign == 1 else 'subtract'} {_desc(b)} "
+                        f"{'to' if sign == 1 else 'from'} {_desc(a)}{hint}", n.span)
+
+    def op_sub(self, a, b, n):
+        return self.op_add(a, b, n, sign=-1)
+
+    def op_emul(self, a, b, n):
+        if isinstance(a, Val) and isinstance(b, Val):
+            return Val(_join(a.kind, b.kind, n.span, "multiply"), a.expr * b.expr)
+        for s, o in ((a, b), (b, a)):
+            if isinstance(s, Val) and s.kind == "scalar":
+                return self.scale(o, s.expr, n.span)
+        raise SpecError(f"'*' is elementwise: cannot multiply {_desc(a)} by {_desc(b)}; use diag(x) for a "
+                        "diagonal matrix and juxtaposition (A S, k v^T) for matrix products", n.span)
+
+    def op_ediv(self, a, b, n):
+        if isinstance(b, Val) and b.expr.is_zero:
+            raise SpecError("division by zero", n.span)
+        if isinstance(b, Val) and isinstance(a, Val):
+            return Val(_join(a.kind, b.kind, n.span, "divide"), a.expr / b.expr)
+        if isinstance(b, Val) and b.kind == "scalar":
+            return self.scale(a, 1 / b.expr, n.span)
+        raise SpecError(f"cannot divide {_desc(a)} by {_desc(b)}", n.span)
+
+    def op_pow(self, a, b, n):
+        if isinstance(a, Gram):
+            if not (isinstance(b, Val) and b.expr == -1):
+                raise SpecError("the Gram state enters the readout only as (G + diag(lamb))^-1", n.span)
+            return GramInv(a.lam)
+        if isinstance(a, Val) and isinstance(b, Val):
+            if a.expr.is_number and b.expr.is_number and abs(b.expr) > MAX_CONSTANT_BITS:
+                raise SpecError(f"the exponent {b.expr} is too large; lrdsl computes in floating point", n.span)
+            return Val(_join(a.kind, b.kind, n.span, "raise"), a.expr ** b.expr)
+        raise SpecError(f"'^' raises numbers and vectors elementwise, not {_desc(a)}; use '^T' to "
+                        "transpose", n.span)
+
+    def scale(self, x, s, span):
+        if isinstance(x, Val):
+            return Val(x.kind, s * x.expr)
+        if isinstance(x, Row):
+            return Row(x.kind, s * x.expr)
+        if isinstance(x, Mat):
+            return Mat(tuple(("diag", s * t[1]) if t[0] == "diag" else ("outer", s * t[1], t[2])
+                             for t in x.terms))
+        if isinstance(x, St):
+            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes))
+        if isinstance(x, Out):
+            return Out(s * x.query)
+        raise SpecError(f"cannot scale {_desc(x)}", span)
+
+    def op_matmul(self, a, b, n):
+        span = n.span
+        if isinstance(a, Gram) or isinstance(b, Gram):
+            raise SpecError("the Gram state G is read only through the offline solve: "
+                            "o = S^T (G + diag(lamb))^-1 q", span)
+        if isinstance(a, Val) and a.kind == "scalar":
+            return self.scale(b, a.expr, span)
+        if isinstance(b, Val) and b.kind == "scalar" and not isinstance(a, StT):
+            return self.scale(a, b.expr, span)
+        if isinstance(a, Val) and isinstance(b, Row):
+            if a.kind == "K" and b.kind == "K":
+                return Mat((("outer", a.expr, b.expr),))
+            if a.kind == "K" and b.kind == "V":
+                return St((), ((a.expr, b.expr),))
+            raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)} gives a [{a.kind}, {b.kind}] "
+                            "matrix; the state is [K, V], so outer products are k k^T ([K, K], in the "
+                            "transition) or k v^T ([K, V], the write)", span)
+        if isinstance(a, Row) and isinstance(b, Val):
+            raise SpecError("x^T y is a dot product (one number); lrdsl compiles transitions built from "
+                            "I, diag(...) and outer products x y^T", span)
+        if isinstance(a, Val) and isinstance(b, Val):
+            raise SpecError(f"two column vectors side by side ({_desc(a)}, {_desc(b)}); "
+                            "did you mean an outer product like k v^T?", span)
+        if isinstance(a, Mat) and isinstance(b, Mat):
+            return Mat(tuple(self.term_product(s, t, span) for s in a.terms for t in b.terms))
+        if isinstance(a, Mat) and isinstance(b, St):
+            carried = tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried)
+            writes = []
+            for s in a.terms:
+                for u, z in b.writes:
+                    if s[0] == "outer":
+                        raise SpecError("a rank-1 matrix times the write gives a dot product c^T u; lrdsl "
+                                        "compiles (transition) S + u z^T", span)
+                    writes.append((s[1] * u, z))
+            return St(carried, tuple(writes))
+        if isinstance(a, Mat) and isinstance(b, Val) and b.kind == "K":
+            if any(t[0] == "outer" for t in a.terms):
+                raise SpecError("a rank-1 matrix times a vector is a dot product; not supported here", span)
+            return Val("K", sum((t[1] for t in a.terms), sp.Integer(0)) * b.expr)
+        if isinstance(a, StT) and isinstance(b, GramInv) and not b.after_state:
+            return GramInv(b.lam, after_state=True)
+        if isinstance(a, GramInv) and isinstance(b, Val) and b.kind in ("K", "scalar"):
+            if not a.after_state:
+                raise SpecError("(G + diag(lamb))^-1 q is read by the state: write o = S^T (G + diag(lamb))^-1 q",
+                                span)
+            return Out(b.expr, a.lam)
+        if isinstance(a, StT) and isinstance(b, Val):
+            if b.kind == "V":
+                raise SpecError("shape mismatch: S^T is [V, K], so it reads a [K] vector (S^T q), "
+                                "not a [V] vector", span)
+            return Out(b.expr)
+        if isinstance(a, St) or isinstance(b, Mat) and isinstance(a, (St, Val)):
+            raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)}; in the update S stands at the "
+                            "right end of each product (M S), and K x K factors multiply it from the left",
+                            span)
+        if isinstance(b, St):
+            raise SpecError(f"shape mismatch: {_desc(a)} times S; a factor multiplying S from the left "
+                            "must be a [K, K] matrix (I, diag(g), k k^T, ...) or a number", span)
+        raise SpecError(f"shape mismatch: cannot multiply {_desc(a)} by {_desc(b)}", span)
+
+    @staticmethod
+    def term_product(s, t, span):
+        if s[0] == "diag" and t[0] == "diag":
+            return ("diag", s[1] * t[1])
+        if s[0] == "diag":
+            return ("outer", s[1] * t[1], t[2])
+        if t[0] == "diag":
+            return ("outer", s[1], s[2] * t[1])
+        raise SpecError("the product of two outer products (a c^T)(u w^T) contains the dot product c^T u; "
+                        "lrdsl compiles one rank-1 erase per token: (I - a c^T) D", span)
+
+    # -- statements
+    def declare(self, name, kind, span, what):
+        check_name(name, span, what)
+        if name in self.kinds:
+            raise SpecError(f"'{name}' is already defined (line {self.defined_at[name].line}); "
+                            "choose another name", span)
+        self.kinds[name] = kind
+        self.symbols[name] = ir.symbol(name)
+        self.defined_at[name] = span
+
+
+def lower(spec: Spec) -> ir.Mixer:
+    """AST (either form) -> IR. Raises SpecError naming the place of the first problem."""
+    check_name(spec.name, spec.span, "mixer name")
+    if spec.name in sys.stdlib_module_names or spec.name in ("lrdsl", "numpy", "sympy", "jinja2", "lark"):
+        # `lrdsl compile` writes <mixer name>.py: it must not shadow a module on the import path
+        raise SpecError(f"the mixer name '{spec.name}' is the name of a Python module, and `lrdsl "
+                        "compile` writes <mixer name>.py; choose another name", spec.span)
+    spec = desugar(spec)
+    lw = Lowerer()
+    inputs, aux, lets, params = [], [], [], []
+    inlined = {}  # let name -> its expression in inputs and states (sympy folds what it can)
+    update = readout = None
+    allow = set()
+    for st in spec.statements:
+        if isinstance(st, Inputs):
+            for d in st.decls:
+                inputs.append(_input(lw, d))
+        elif isinstance(st, Params):
+            params += lower_params(lw, st)
+        elif isinstance(st, StateDecl):
+            kind, kspan = st.shape
+            if kind not in ("K", "V"):
+                raise SpecError(f"an auxiliary state is indexed by K or V, not '{kind}'", kspan)
+            lw.declare(st.name, kind, st.span, "state name")
+            aux.append(_aux(lw, st, kind, lets))
+        elif isinstance(st, Let):
+            val = lw.expr(st.expr)
+            if not isinstance(val, Val):
+                raise SpecError(f"a let names an elementwise value; this one is {_desc(val)}", st.span)
+            uses = {s: inlined[s.name] for s in val.expr.free_symbols if s.name in inlined}
+            inlined[st.name] = val.expr.xreplace(uses)
+            depth = inlined_depth(inlined[st.name])
+            if depth > MAX_INLINED_DEPTH:
+                raise SpecError(f"with the lets it uses substituted, this expression nests {depth} levels "
+                                f"deep; lrdsl analyses at most {MAX_INLINED_DEPTH}: write the chain in fewer "
+                                "steps", st.span)
+            lw.declare(st.name, val.kind, st.span, "let name")
+            lets.append(ir.Let(st.name, val.kind, val.expr, st.span))
+        elif isinstance(st, Update):
+            if update is not None:
+                raise SpecError("S is updated twice; a spec has one update line", st.span)
+            update = st
+        elif isinstance(st, Readout):
+            if readout is not None:
+                raise SpecError("the readout o = ... is given twice", st.span)
+            readout = st
+        elif isinstance(st, Allow):
+            if st.what not in ALLOWS:
+                raise SpecError(f"unknown allowance '{st.what}'; the one allowance is `allow unstable`", st.span)
+            allow.add(st.what)
+    for need, kind in (("q", "K"), ("k", "K"), ("v", "V")):
+        got = next((i for i in inputs if i.name == need), None)
+        if got is None or got.kind != kind:
+            raise SpecError(f"every mixer has the inputs q[K], k[K] and v[V]; "
+                            f"{'declare' if got is None else 'fix'} `input {need}[{kind}]`",
+                            got.span if got else spec.span)
+    if update is None:
+        raise SpecError("the spec has no update of the state; add a line like `S = S + k v^T`", spec.span)
+    if readout is None:
+        raise SpecError("the spec has no readout; add the line `o = S^T q`", spec.span)
+    decay, delta, write = _transition(lw, update)
+    out = lw.expr(readout.expr)
+    if not isinstance(out, Out):
+        raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
+                        f"this is {_desc(out)}", readout.span)
+    if out.lam is not None:
+        if delta is not None:
+            raise SpecError("the offline solve (o = S^T (G + diag(lamb))^-1 q) goes with a transition without "
+                            "erase: S = D S + u v^T, its Gram state G = D G + u k^T", readout.span)
+        if out.lam == 0:
+            raise SpecError("the solve needs a regulariser: o = S^T (G + diag(lamb))^-1 q with lamb > 0",
+                            readout.span)
+        if any(lw.kinds.get(str(sym)) == "V" for sym in out.lam.free_symbols):
+            raise SpecError("the regulariser of the solve runs over key channels (K), not value channels",
+                            readout.span)
+    m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
+                 "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
+                 readout_span=readout.span)
+    check_constants(m, update.span)
+    return m
+
+
+def _input(lw: Lowerer, d) -> ir.Input:
+    kind = "scalar"
+    if d.shape is not None:
+        kind, kspan = d.shape
+        if kind not in ("K", "V"):
+            raise SpecError(f"an input is indexed by K (key channels) or V (value channels), not '{kind}'",
+                            kspan)
+    lw.declare(d.name, kind, d.span, "input name")
+    attrs = set(d.attrs)
+    if len(attrs) != len(d.attrs):
+        raise SpecError(f"input '{d.name}' repeats an attribute", d.span)
+    if attrs & {"unit", "l2norm"} and kind == "scalar":
+        raise SpecError(f"'{d.name}' is one number per head; unit and l2norm apply to vectors", d.span)
+    if {"unit", "l2norm"} <= attrs:
+        raise SpecError(f"'{d.name}': l2norm already makes it unit; keep one of the two", d.span)
+    lo, hi, lo_open, hi_open = -sp.oo, sp.oo, True, True
+    if "log" in attrs:
+        if d.range is not None:
+            raise SpecError(f"'{d.name}' is a log-decay (<= 0); give either `log` or a range", d.range.span)
+        hi, hi_open = sp.Integer(0), False
+    if d.range is not None:
+        lo, hi, lo_open, hi_open = declared_range(d)
+    if "l2norm" in attrs or "unit" in attrs:
+        lo, hi, lo_open, hi_open = sp.Integer(-1), sp.Integer(1), False, False
+    shared = "shared" in attrs or d.name in ("q", "k")
+    return ir.Input(d.name, kind, shared, "l2norm" in attrs, bool(attrs & {"unit", "l2norm"}),
+                    "log" in attrs, lo, hi, lo_open, hi_open, d.span)
+
+
+def _aux(lw: Lowerer, st: StateDecl, kind: str, lets) -> ir.Aux:
+    val = lw.expr(st.expr)
+    for lt in reversed(lets):  # inline lets: a state then depends only on inputs and earlier states
+        val = Val(val.kind, val.expr.xreplace({ir.symbol(lt.name): lt.expr})) if isinstance(val, Val) else val
+    p = lw.symbols[st.name]
+    if not isinstance(val, Val) or val.kind not in (kind, "scalar"):
+        raise SpecError(f"state {st.name}[{kind}] must be updated by a [{kind}] vector expression, "
+                        f"not {_desc(val)}", st.span)
+    e = sp.expand(val.expr)
+    decay = sp.diff(e, p)
+    write = simplified(e - decay * p)
+    if decay.has(p) or write.has(p):
+        raise SpecError(f"state {st.name} must be first order: {st.name} = a * {st.name} + b with a and b "
+                        f"free of {st.name}", st.span)
+    return ir.Aux(st.name, kind, sp.factor_terms(decay), write, st.span)
+
+
+def _transition(lw: Lowerer, update: Update):
+    val = lw.expr(update.expr)
+    if not isinstance(val, St):
+        raise SpecError(f"the update must be a [K, V] expression in S, like M S + k v^T; this is "
+                        f"{_desc(val)}", update.span)
+    span = update.span
+    if not val.carried:
+        raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
+    diag = sp.Integer(0)
+    outers = []
+    for t in val.carried:
+        if t[0] == "diag":
+            diag += t[1]
+        else:
+            outers.append((t[1], t[2]))
+    outers = _combine(outers, lw, span, "transition")
+    d = simplified(diag) if diag.has(sp.Abs) else sp.factor_terms(diag)
+    if d == 0:
+        raise SpecError("the transition has no diagonal part (no I, diag(...) or scalar times S); the "
+                        "accepted forms are (I - a c^T) D S and D (I - a c^T) S", span)
+    for sym in d.free_symbols:
+        if lw.kinds.get(str(sym)) == "V":
+            raise SpecError("the decay multiplies S from the left, so it varies over key channels (K), "
+                            f"not value channels; '{sym}' is a [V] value", span)
+    kinds = {str(s): lw.kinds.get(str(s)) for s in d.free_symbols}
+    if d == 1:
+        decay = ir.Decay("identity", d)
+    elif not d.free_symbols - {ir.HEAD}:
+        decay = ir.Decay("constant", d)
+    elif "K" in kinds.values():
+        decay = ir.Decay("diagonal", d)
+    else:
+        decay = ir.Decay("scalar", d)
+    delta = None
+    if outers:
+        (u, e), = outers
+        left = ir.Delta(-u, sp.factor_terms(e / d), "left")
+        right = ir.Delta(sp.factor_terms(-u / d), e, "right")
+        score = lambda dl: sp.count_ops(dl.a) + sp.count_ops(dl.c)
+        delta = left if score(left) <= score(right) else right
+        if decay.kind != "diagonal":  # a scalar D commutes: one canonical order
+            delta = ir.Delta(delta.a, delta.c, "left")
+        # per-head numbers commute too: (I - k (beta k)^T) is (I - (beta k) k^T); keep them in a
+        vec = [lw.symbols[n] for n, k in lw.kinds.items() if k in ("K", "V")]
+        coeff, rest = sp.Mul(delta.c).as_independent(*vec, as_Add=False)
+        if coeff != 1:
+            delta = ir.Delta(sp.factor_terms(delta.a * coeff), rest, delta.order)
+    writes = _combine(list(val.writes), lw, span, "write")
+    if not writes:
+        raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
+    (key, value), = writes
+    vsyms = [lw.symbols[n] for n, k in lw.kinds.items() if k == "V"]
+    coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
+    return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart)
+
+
+def _combine(pairs, lw, span, what):
+    """Merge rank-1 terms u c^T that share a factor (up to a per-head number); refuse a rank-2 rest."""
+    out = []
+    for u, c in pairs:
+        for i, (u2, c2) in enumerate(out):
+            r = simplified(c / c2)
+            if _per_head(r, lw):
+                out[i] = (sp.factor_terms(u2 + u * r), c2)
+                break
+            r = simplified(u / u2)
+            if _per_head(r, lw):
+                out[i] = (u2, sp.factor_terms(c2 + c * r))
+                break
+        else:
+            out.append((u, c))
+    out = [(u, c) for u, c in out if simplified(u) != 0 and simplified(c) != 0]
+    if len(out) > 1:
+        form = " + ".join(f"({u}) ({c})^T" for u, c in out)
+        raise SpecError(f"the {what} has {len(out)} independent rank-1 terms ({form}); lrdsl compiles one "
+                        f"rank-1 erase (I - a c^T) D and one rank-1 write u z^T", span)
+    return out
+
+
+def _per_head(r, lw) -> bool:
+    return all(lw.kinds.get(str(s)) in ("scalar", None) for s in r.free_symbols)

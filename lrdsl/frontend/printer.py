@@ -1,0 +1,155 @@
+"""IR -> spec text. `explicit(mixer)` re-parses to the same IR; `canonical(mixer)` explains the form."""
+from __future__ import annotations
+
+import sympy as sp
+from sympy.printing.str import StrPrinter
+
+from lrdsl.frontend import ir, primitives
+
+
+class _DslPrinter(StrPrinter):
+    """sympy's str printer, in the spec language: '^' for powers, exact rationals, the functions by
+    their names in the table of primitives."""
+
+    def _print_Pow(self, expr, rational=False):
+        b, e = expr.as_base_exp()
+        if e == -1:
+            return f"1/{self.parenthesize(b, 60)}"
+        if e == sp.Rational(1, 2):
+            return f"sqrt({self._print(b)})"
+        if e.is_Rational and e < 0 and e.q == 1 and e != -1:
+            return f"1/{self.parenthesize(b, 60)}^{-e.p}"
+        base = self.parenthesize(b, 60)
+        exp_ = self._print(e)
+        if not (e.is_Integer and e >= 0) and not e.is_Symbol:
+            exp_ = f"({exp_})"
+        return f"{base}^{exp_}"
+
+    def _print_Rational(self, expr):
+        return f"{expr.p}/{expr.q}" if expr.q != 1 else str(expr.p)
+
+    def _print_Exp1(self, expr):
+        return "exp(1)"
+
+    def _print_Infinity(self, expr):
+        return "inf"
+
+    def _print_NegativeInfinity(self, expr):
+        return "-inf"
+
+
+def _printer_of(prim):
+    def method(self, e):
+        args = [self._print(a) for a in e.args]
+        return prim.printed(*args) if prim.printed else f"{prim.name}({', '.join(args)})"
+    return method
+
+
+for _prim in primitives.TABLE:  # exp(...), abs(...), softplus(...), max(...), squash(P, x = ..., ...)
+    if _prim.cls is not None and _prim.name:
+        setattr(_DslPrinter, f"_print_{_prim.cls.__name__}", _printer_of(_prim))
+
+
+def expr(e: sp.Expr) -> str:
+    return _DslPrinter().doprint(e)
+
+
+def _vec(e: sp.Expr) -> str:
+    s = expr(e)
+    return s if isinstance(e, sp.Symbol) else f"({s})"
+
+
+def _range(i: ir.Input) -> str:
+    if i.unit or i.l2norm or i.log or (i.lo == -sp.oo and i.hi == sp.oo):
+        return ""
+    return f" in {'(' if i.lo_open else '['}{_bound(i.lo)}, {_bound(i.hi)}{')' if i.hi_open else ']'}"
+
+
+def _bound(x: sp.Expr) -> str:
+    """A range's end as the grammar reads it: inf, or a decimal number (0.5, not 1/2)."""
+    if not x.is_Rational:
+        return expr(x)
+    from fractions import Fraction
+
+    from lrdsl.frontend.params import decimal_text
+    return decimal_text(Fraction(int(x.p), int(x.q)))
+
+
+def decl(i: ir.Input) -> str:
+    attrs = [a for a, on in (("l2norm", i.l2norm), ("unit", i.unit and not i.l2norm), ("log", i.log),
+                              ("shared", i.shared and i.name not in ("q", "k"))) if on]
+    shape = f"[{i.kind}]" if i.kind != "scalar" else ""
+    return f"{i.name}{shape}{''.join(' ' + a for a in attrs)}{_range(i)}"
+
+
+def param_decl(p: ir.Param) -> str:
+    """A param as declared: name, [K] or [V], range, init (always printed: the default depends on the name)."""
+    from lrdsl.frontend.params import init_text
+    shape = "" if p.kind == "scalar" else f"[{p.kind}]"
+    return f"{p.name}{shape}{_range(p)} init {init_text(p.init)}"
+
+
+def transition(m: ir.Mixer) -> str:
+    """The transition M_t as spec text (without the trailing S)."""
+    d = m.decay
+    if d.kind == "diagonal":
+        dtext = f"diag({expr(d.value)})"
+    elif d.kind == "identity":
+        dtext = ""
+    else:
+        atomic = isinstance(d.value, (sp.Symbol, sp.Function)) or d.value.is_Number
+        dtext = expr(d.value) if atomic else _vec(d.value)
+    if m.delta is None:
+        return dtext or "I"
+    erase = f"(I - {_vec(m.delta.a)} {_vec(m.delta.c)}^T)"
+    if not dtext:
+        return erase
+    return f"{erase} {dtext}" if m.delta.order == "left" else f"{dtext} {erase}"
+
+
+def explicit(m: ir.Mixer) -> str:
+    lines = [f"mixer {m.name}", "input " + ", ".join(decl(i) for i in m.inputs)]
+    if m.params:
+        lines.append("param " + ", ".join(param_decl(p) for p in m.params))
+    for a in m.aux:
+        lines.append(f"state {a.name}[{a.kind}] = {expr(a.decay * ir.symbol(a.name) + a.write)}")
+    for lt in m.lets:
+        lines.append(f"let {lt.name} = {expr(lt.expr)}")
+    t = transition(m)
+    carried = "S" if t == "I" else f"{t} S"
+    lines.append(f"S = {carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T")
+    solve = f"(G + diag({expr(m.solve_lam)}))^-1 " if m.solve_lam is not None else ""
+    lines.append(f"o = S^T {solve}{_vec(m.query)}")
+    if m.solve_lam is not None and m.solve_steps != ir.Mixer.solve_steps:
+        lines.append(f"solve offline steps {m.solve_steps}")
+    if m.allow_unstable:
+        lines.append("allow unstable")
+    return "\n".join(lines) + "\n"
+
+
+def canonical(m: ir.Mixer) -> str:
+    """The canonical form in words: decay class, erase factor, write, readout."""
+    d = m.decay
+    out = [f"decay   {d.kind:9s} D = {expr(d.value) if d.kind != 'identity' else 'I'}"]
+    if m.delta is None:
+        out.append("erase   none      M = D")
+    else:
+        form = "(I - a c^T) D" if m.delta.order == "left" else "D (I - a c^T)"
+        out.append(f"erase   rank-1    M = {form},  a = {expr(m.delta.a)},  c = {expr(m.delta.c)}")
+    out.append(f"write   rank-1    {_vec(m.write.key)} {_vec(m.write.value)}^T")
+    if m.solve_lam is None:
+        out.append(f"readout           o = S^T (scale * {expr(m.query)})")
+    else:
+        out.append(f"readout           o = S^T (G + diag({expr(m.solve_lam)}))^-1 (scale * {expr(m.query)})")
+        out.append(f"gram    offline   G = D G + {_vec(m.write.key)} k^T (exact solve, Mesa; "
+                   f"{m.solve_steps} conjugate-gradient steps in the kernels)")
+    for a in m.aux:
+        out.append(f"aux     {a.name}[{a.kind}]  = {expr(a.decay)} * {a.name} + {expr(a.write)}")
+    for p in m.params:
+        out.append(f"param   {param_decl(p)}  (learned: [HV{'' if p.kind == 'scalar' else ', ' + p.kind}])")
+    for lt in m.lets:
+        out.append(f"let     {lt.name} = {expr(lt.expr)}")
+    norm = [i.name for i in m.inputs if i.l2norm]
+    if norm:
+        out.append(f"l2norm  {', '.join(norm)} (inside the mixer)")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,328 @@
+"""Context parallelism: one `mixer.chunk` call over sequences split along T across a process group.
+
+Each rank holds a contiguous slice of the tokens (batched: [B, T_r, ...] of every sequence; packed:
+a slice of the packed sequence, the global cu_seqlens on every rank, so sequences may straddle
+ranks). The chunk pass is affine in its incoming state: over a rank's tokens S_out = L S_in + R
+(L [HV, K, K] and R [HV, K, V] per carried sequence), and each auxiliary state (ATK's P) is an
+elementwise first-order scan, P_out = l * P_in + r, whose coefficients do not depend on S. So:
+
+ 1. the auxiliary maps (l, r) of every rank are all-gathered and composed in rank order, giving the
+    auxiliary state that enters each rank;
+ 2. with it, the sequence that continues from the left (the head) runs once with K more value
+    columns, v = 0 there and the identity as their incoming state: every value column evolves on its
+    own under the same K x K transitions, so the final state is [R | L] (R from a zero incoming S)
+    and o is [o from a zero S | each token's readout C_t of the incoming state] (`widens` says when
+    a spec allows it; otherwise one batched run from a zero and identity-like incoming states gives
+    R and L, and the head runs again from its true incoming state after step 3);
+ 3. the (L, R) of every rank are all-gathered (fp32) and composed in rank order: S_in of rank r is
+    L_{r-1}(... (L_0 S + R_0) ...) + R_{r-1}, reset to R_i at a rank whose carried sequence starts
+    on it (L_i = 0);
+ 4. the head's o is o_0 + C S_in and its final state L S_in + R.
+A rank thus runs each of its tokens once (the head at V + K value columns), plus, where its state is
+carried on and the spec has auxiliary states, one call for their maps (a batch of two starts at one
+value channel), and all ranks run at once: none waits for another's chunk pass.
+Only the head takes an incoming state; the other sequences run from their own initial states.
+Every step is a differentiable torch operation (chunk differentiates through its inputs and its
+whole initial state; torch.distributed.nn's all_gather carries gradients back to the rank that
+sent the map), so the backward follows by autograd. Communication per rank: one gather of the
+slice lengths and one or two gathers of K*K + K*V (+ the auxiliary widths) floats per head and
+carried sequence from each rank: independent of T.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from lrdsl.errors import InputError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """How one rank's slice meets the sequences: the global indices first..last of the sequences it
+    holds (a batch: all of them), local cu_seqlens (None for a batch), whether its first sequence
+    continues from the rank before (`from_left`) and whether its last one is that same sequence,
+    so its outgoing state depends on its incoming one (`through`)."""
+    first: int
+    last: int
+    cu: tuple | None
+    from_left: bool
+    through: bool
+
+
+def pieces(cu: list | None, B: int, lengths: list) -> list:
+    """The Piece of every rank, from the global cu_seqlens (None for a batch) and the slice lengths.
+    An empty sequence belongs to the rank that holds the token at its position (the last rank at the
+    end)."""
+    out, off = [], 0
+    for r, n in enumerate(lengths):
+        end = off + n
+        if cu is None:
+            out.append(Piece(0, B - 1, None, r > 0, r > 0))
+            off = end
+            continue
+        last_rank = r == len(lengths) - 1
+        mine = [j for j in range(len(cu) - 1)
+                if (cu[j] < cu[j + 1] and cu[j] < end and cu[j + 1] > off)
+                or (cu[j] == cu[j + 1] and (off <= cu[j] < end or (last_rank and cu[j] == end)))]
+        first, last = mine[0], mine[-1]
+        local = tuple(min(max(c, off), end) - off for c in cu[first:last + 2])
+        from_left = cu[first] < off
+        out.append(Piece(first, last, local, from_left, from_left and first == last))
+        off = end
+    return out
+
+
+def _refuse(mixer) -> None:
+    m = mixer.ir
+    if m.solve_lam is not None:
+        raise InputError(f"mixer '{m.name}' reads its state through an offline solve, which context "
+                         "parallelism does not carry across ranks: call chunk without cp_group")
+    names = {a.name for a in m.aux}
+    for a in m.aux:
+        used = {str(s) for e in (a.decay, a.write) for s in e.free_symbols} & names
+        if used:
+            raise InputError(f"mixer '{m.name}': auxiliary state {a.name!r} is updated from "
+                             f"{sorted(used)[0]!r}, another auxiliary state, which context parallelism "
+                             "does not carry across ranks: call chunk without cp_group")
+
+
+class _Tie(torch.autograd.Function):
+    """x, with `others` in its autograd graph (zero gradient). Every rank must run the backward of
+    every all_gather, in the same order, whatever it differentiates for: the results are tied to the
+    gathered maps, the maps of the state to those of the auxiliary states, and what each rank sends to
+    every tensor it could differentiate for (torch.autograd.grad runs only the paths to its inputs)."""
+    @staticmethod
+    def forward(ctx, x, *others):
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        return (g, *(torch.zeros((), dtype=d, device=dev).expand(s) for s, d, dev in ctx.shapes))
+
+
+def _tie(x, *others):
+    live = [o for o in others if o.requires_grad]
+    return _Tie.apply(x, *live) if live else x
+
+
+class _AllGather(torch.autograd.Function):
+    """[world, *t.shape]: every rank's t. Backward: each rank's piece takes the sum over the ranks of
+    their gradients of it (an all_reduce of the stacked gradient: gloo has no reduce_scatter)."""
+    @staticmethod
+    def forward(ctx, t, group):
+        import torch.distributed as dist
+        ctx.group = group
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, t.contiguous(), group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g[dist.get_rank(ctx.group)], None
+
+
+def _gather(t, group, grad: bool):
+    """all_gather of t over the group, through autograd where grad (the same on every rank)."""
+    if not grad:
+        with torch.no_grad():
+            return _AllGather.apply(t, group)
+    return _AllGather.apply(t, group)
+
+
+def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, inputs, group):
+    """mixer.chunk(..., cp_group=group): this rank's o [B, T_r, HV, V] and, with output_final_state,
+    the state after this rank's last token of each of its sequences (a batch: [B, ...]; packed: the
+    sequences first..last it holds, in order; a sequence's final state is on the rank holding its
+    last token). initial_state and cu_seqlens are the global ones, the same on every rank."""
+    import torch.distributed as dist
+
+    from lrdsl.runtime.tensors import MixerState
+    _refuse(mixer)
+    rank = dist.get_rank(group)
+    dev = q.device
+    mine = torch.tensor([q.shape[1]], dtype=torch.int64, device=dev)
+    lengths = [int(t.item()) for t in _gather(mine, group, False)]
+    cu = None if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
+    if min(lengths) < 1:
+        raise InputError(f"context parallelism needs at least one token on every rank; the slices "
+                         f"have lengths {lengths}")
+    if cu is not None and (len(cu) < 2 or cu[0] != 0 or cu[-1] != sum(lengths)
+                           or any(b < a for a, b in zip(cu, cu[1:]))):
+        raise InputError(f"with cp_group, cu_seqlens are the global ones: they must start at 0, never "
+                         f"decrease and end at the total length {sum(lengths)} of the slices, got {cu}")
+    B, HV, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    every = pieces(cu, B, lengths)
+    me, world = every[rank], len(every)
+    carries = rank + 1 < world and every[rank + 1].from_left
+    N = B if cu is None else len(cu) - 1
+    widths = [a.width(K, V) for a in mixer.ir.aux]
+
+    # ---- the initial states of this rank's sequences (rows first..last of the global ones) -------
+    S0, aux0 = initial_state, None
+    if isinstance(initial_state, MixerState):
+        S0 = initial_state.S
+        aux0 = [initial_state.aux[a.name] for a in mixer.ir.aux] if mixer.ir.aux else None
+    for t in [S0, *(aux0 or ())]:
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape[:2] != (N, HV)):
+            raise InputError(f"with cp_group, initial_state holds the global sequences' states: "
+                             f"[N, HV, ...] with N = {N}, the same on every rank")
+    rows = slice(me.first, me.last + 1)
+    S_rows = (torch.zeros(me.last + 1 - me.first, HV, K, V, device=dev) if S0 is None
+              else S0[rows].float())
+    aux_rows = [torch.zeros(S_rows.shape[0], HV, w, device=dev) if aux0 is None else a[rows].float()
+                for a, w in zip(aux0 or [None] * len(widths), widths)]
+
+    # ---- the local calls: `head` the rows that continue from the left, `rest` the others ---------
+    per_token = {"q", "k", "v", *(i.name for i in mixer.ir.inputs)}
+    names = [a.name for a in mixer.ir.aux]
+    given = dict(inputs, q=q, k=k, v=v)
+    leaves = [*given.values(), S0, *(aux0 or ())]
+    leaves = [t for t in leaves if t is not None and t.requires_grad]
+    grad = torch.is_grad_enabled() and bool(leaves)
+    n_head = (B if cu is None else 1) if me.from_left else 0
+    f32 = dict(device=dev, dtype=torch.float32)
+
+    def run(x, S, aux, lcu=None):
+        """chunk over x from whole initial states S, aux (fp32 rows): (o, final S, final aux list)."""
+        h0 = MixerState(S, dict(zip(names, aux))) if widths else S
+        lcu = None if lcu is None else torch.tensor(lcu, dtype=torch.int64, device=dev)
+        o, fin = mixer.chunk(**x, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=lcu)
+        return (o, fin.S, [fin.aux[n] for n in names]) if widths else (o, fin, [])
+
+    def tokens(t0, t1):
+        return {n: (t[:, t0:t1] if n in per_token else t) for n, t in given.items()}
+
+    rest = None
+    if n_head < S_rows.shape[0]:
+        t0 = 0 if cu is None else me.cu[n_head]
+        rest = run(tokens(t0, q.shape[1]), S_rows[n_head:], [a[n_head:] for a in aux_rows],
+                   None if cu is None else [c - t0 for c in me.cu[n_head:]])
+    # the head: a batch [B, T_r] or its one packed sequence as a batch of one
+    head = tokens(0, q.shape[1] if cu is None else me.cu[1]) if me.from_left else None
+    n_carry = B if cu is None else 1
+    zero_S = torch.zeros(n_carry, HV, K, V, **f32)
+
+    # ---- 1. the auxiliary states' maps, gathered and composed ----------------------------------
+    aux_in, tied = [], []
+    if widths:
+        zero_aux = [torch.zeros(n_carry, HV, w, **f32) for w in widths]
+        if carries and me.through:  # one call from the starts 0 and 1 (one value channel will do)
+            x = _copies(head, 2, per_token)
+            x = x if any(a.kind == "V" for a in mixer.ir.aux) else _narrow(mixer.ir, x)
+            _, _, f = run(x, torch.zeros(2 * n_carry, HV, K, x["v"].shape[-1], **f32),
+                          [torch.cat([z, torch.ones_like(z)]) for z in zero_aux])
+            r, l = [a[:n_carry] for a in f], [a[n_carry:] - a[:n_carry] for a in f]
+        elif carries:  # the carried sequence starts here: its outgoing state is rest's
+            r, l = [a[-n_carry:] for a in rest[2]], zero_aux
+        else:
+            r, l = zero_aux, zero_aux
+        maps = _gather(_tie(torch.cat([*l, *r], -1).float(), *leaves), group, grad)
+        tied += maps
+        P = None
+        for i in range(rank):
+            li, ri = maps[i][..., :sum(widths)], maps[i][..., sum(widths):]
+            P = ri if (P is None or not every[i].through) else li * P + ri
+        if me.from_left:
+            aux_in = list(torch.split(P, widths, -1))
+
+    # ---- 2. this rank's map of the state: the head's final state is L S_in + R ---------------------
+    wide = me.from_left and widens(mixer.ir)
+    if wide:  # one run with K more value columns: [R | L] and the readout of S_in beside o
+        E = torch.eye(K, **f32).expand(n_carry, HV, K, K)
+        head_run = run(_widen(mixer.ir, head, K), torch.cat([zero_S, E], -1), aux_in)
+        R_h, L_h = head_run[1][..., :V], head_run[1][..., V:]
+    if carries and me.through and wide:
+        R, L = R_h, L_h
+    elif carries and me.through:  # one run from 0 and from identity-like starts, as a batch
+        starts, cols = [zero_S], []
+        for b0 in range(0, K, V):
+            w = min(V, K - b0)
+            E = torch.zeros_like(zero_S)
+            E[..., b0 + torch.arange(w, device=dev), torch.arange(w, device=dev)] = 1.0
+            starts.append(E)
+            cols.append(w)
+        c = len(starts)
+        _, F, _ = run(_copies(head, c, per_token), torch.cat(starts), [torch.cat([a] * c) for a in aux_in])
+        R = F[:n_carry]
+        L = torch.cat([(F[(j + 1) * n_carry:(j + 2) * n_carry] - R)[..., :w] for j, w in enumerate(cols)], -1)
+    else:  # nothing to carry on, or the carried sequence starts here
+        L = torch.zeros(n_carry, HV, K, K, **f32)
+        R = rest[1][-n_carry:] if carries else zero_S
+
+    # ---- 3. the maps of every rank, gathered and composed: the incoming state ------------------
+    maps = _gather(_tie(torch.cat([L, R], -1).float(), *tied, *leaves), group, grad)  # after the aux gather
+    tied += maps
+    S = None
+    for i in range(rank):
+        Li, Ri = maps[i][..., :K], maps[i][..., K:]
+        S = Ri if (S is None or not every[i].through) else Li @ S + Ri
+
+    # ---- 4. the head from its true incoming state; the rest as it ran -------------------------
+    parts = []
+    if wide:  # o = o from 0 + (readout of the identity) S_in; final = R + L S_in
+        o_w = head_run[0]
+        o_h = o_w[..., :V].float() + torch.einsum("bthk,bhkv->bthv", o_w[..., V:].float(), S)
+        parts.append((o_h.to(o_w.dtype), R_h + L_h @ S, head_run[2]))
+    elif me.from_left:
+        parts.append(run(head, S, aux_in))
+    if rest is not None:
+        parts.append(rest)
+    o = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
+    o = _tie(o, *tied)
+    if not output_final_state:
+        return o, None
+    fin = _tie(torch.cat([p[1] for p in parts]), *tied)
+    if not widths:
+        return o, fin
+    aux = [torch.cat([p[2][i] for p in parts]) for i in range(len(widths))]
+    return o, MixerState(fin, {a.name: t for a, t in zip(mixer.ir.aux, aux)})
+
+
+@functools.lru_cache(maxsize=64)
+def widens(m) -> bool:
+    """Whether the head's map can ride in one run beside its values: K more value columns with
+    v = 0 and the identity as their incoming state carry the transition's product (L) in their final
+    state and each token's readout of the incoming state in o, because every value column evolves
+    on its own under the same K x K transitions. That needs the write's value to vanish with v (it
+    does in every example) and v = 0 inside v's range; no auxiliary state per value channel, and no
+    other value-channel input normalised or declared unit (its pad, a copy of channel 0, would
+    change its norm). Otherwise the maps take one batched run and the head a second one."""
+    import sympy as sp
+
+    from lrdsl.frontend.ir import symbol
+    v = m.input("v")
+    if (v.lo > 0 or v.hi < 0 or (v.lo == 0 and v.lo_open) or (v.hi == 0 and v.hi_open)
+            or any(a.kind == "V" for a in m.aux)
+            or any(i.kind == "V" and i.name != "v" and (i.l2norm or i.unit) for i in m.inputs)):
+        return False
+    return sp.simplify(m.inline_lets(m.write.value).xreplace({symbol("v"): 0})) == 0
+
+
+def _widen(m, x: dict, K: int) -> dict:
+    """x with K more value channels: zeros in v, a copy of channel 0 (detached: in range, and the
+    write there is zero whatever it holds) in every other value-channel input and param."""
+    kinds = m.kinds()
+    out = dict(x)
+    for n, t in x.items():
+        if kinds[n] == "V":
+            pad = t[..., :1].detach().expand(*t.shape[:-1], K)
+            out[n] = torch.cat([t, torch.zeros_like(pad) if n == "v" else pad], -1)
+    return out
+
+
+def _narrow(m, x: dict) -> dict:
+    """x with value channel 0 alone (for the auxiliary maps: auxiliary states per key channel never
+    read a value channel)."""
+    kinds = m.kinds()
+    return {n: (t[..., :1] if kinds[n] == "V" else t) for n, t in x.items()}
+
+
+def _copies(x: dict, c: int, per_token: set) -> dict:
+    """c copies of the batch x side by side along the batch (params once)."""
+    return {n: (torch.cat([t] * c) if n in per_token else t) for n, t in x.items()}
