@@ -33,8 +33,8 @@ seen = {}
 
 
 def rings(ttgir: str) -> str:
-    """The pipeliner's shared-memory rings (slots x tile), and "(!)" where their depths differ. In
-    session 15 a kernel whose q and k tiles fed both a wgmma and a register sum got two slots for
+    """The pipeliner's shared-memory rings (slots x tile), and "(!)" where their depths differ. On the
+    H200 (2026-12-02, 2862982) a kernel whose q and k tiles fed both a wgmma and a register sum got two slots for
     three stages (the state tile three): each async copy overwrote the slot a pending wgmma still
     read, and the H200 gave wrong output that the interpreter cannot show. Unequal depths are not
     always wrong (two loops may pipeline differently), but are worth a look at the TTGIR (--dump)."""
@@ -52,7 +52,7 @@ def rings(ttgir: str) -> str:
 
 def single_slot_wgmma(ttgir: str) -> str:
     """" (1-slot wgmma!)" where an asynchronous wgmma reads a one-slot buffer of async copies. Found
-    in session 16 (staged_dk): S0 and dS also feeding a register sum got one slot each, and the next
+    on the H200 on 2026-12-02 (staged_dk, 1fe8fc3): S0 and dS also feeding a register sum got one slot each, and the next
     tile's copy into it was issued while the wgmma reading it was still pending."""
     derived = set(re.findall(r"(%[\w.]+) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<1x", ttgir))
     for dst, src in re.findall(r"(%[\w.]+) = ttg\.memdesc_(?:index|trans|subslice|reinterpret) (%[\w.]+)", ttgir):

@@ -236,7 +236,7 @@ class Mixer:
     def _native_rank2(self, batch) -> bool:
         """The native staged forward of a decay after the erase (plan.rank2, staged_rank2.py.jinja)
         serves this call: asked for (LRDSL_NATIVE_RANK2=1: on the H200 it holds half the split's
-        forward memory but takes 1.18x its time, twentieth session), no gradient asked for (the
+        forward memory but takes 1.18x its time, measured 2026-12-03, e67cbe5), no gradient asked for (the
         backward keeps the split), keys within the staged limit, every input and the initial state
         finite but for resets (-inf in the log-decay, floored there as on every path). A non-finite
         entry takes the split, whose kernels keep it causal; the check is one wait for the device,

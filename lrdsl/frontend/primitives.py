@@ -176,7 +176,7 @@ class Primitive:
     derivative: Callable | None = None  # arguments -> d/dx (classes defined here); None: sympy's own
     expand: Callable | None = None  # node -> an equivalent expression of other entries
     numpy: Callable | None = None  # arrays -> array, for the checker's witnesses; None: lambdify's own
-    params: str = "x"  # the arguments, as error messages and the README show them
+    params: str = "x"  # the arguments, as error messages and docs/language.md show them
 
 
 def _np():
