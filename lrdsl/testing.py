@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from lrdsl.frontend import ir
-from lrdsl.errors import LrdslError
 from lrdsl.runtime.offline import cg_tolerance, kappa_bound
 from lrdsl.runtime.tensors import MixerState
 

@@ -18,7 +18,6 @@ from lrdsl._version import __version__
 from lrdsl.frontend import ir, printer
 from lrdsl.codegen.generate import generate
 from lrdsl.runtime import tuning
-from lrdsl.errors import LrdslError
 
 
 def cache_dir() -> Path:
