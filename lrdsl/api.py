@@ -28,6 +28,38 @@ class Mixer:
         self.source = source
         self.filename = filename
 
+    # A Mixer holds its generated module (a loaded Python module) and torch.library ops, which
+    # cannot be pickled; copies and pickles carry the spec text and the options instead, and the
+    # kernels come back from the on-disk cache (copy.deepcopy, EMA copies, torch.save of a model).
+    def __getstate__(self) -> dict:
+        return {"source": self.source, "filename": self.filename,
+                # a mixer made from an IR, not from spec text (the split mixer), carries its IR
+                "ir": None if self.source else self.ir,
+                "keep_intermediates": self.keep_intermediates, "check_ranges": self.check_ranges,
+                "loaded": self._kernels is not None}
+
+    def __setstate__(self, state: dict) -> None:
+        mixer_ir = state["ir"]
+        if mixer_ir is None:
+            mixer_ir = spec_to_ir(state["source"], state["filename"])
+        self.__init__(mixer_ir, state["source"], state["filename"], state["keep_intermediates"],
+                      state["check_ranges"])
+        if state["loaded"]:
+            self._load_kernels()
+
+    def _load_kernels(self) -> None:
+        """Generate (or find in the cache), load and register the kernels now, not at the first
+        call: keeps code generation out of torch.compile's tracing. Nothing without triton."""
+        import importlib.util
+        if importlib.util.find_spec("triton") is None:
+            return
+        if self.ir.solve_lam is None:
+            self.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
+            if self.split is not None:  # and the split spec's, which chunk runs where it can
+                self.split.chunk_op  # noqa: B018
+        elif self.ir.decay.kind != "diagonal":
+            self.chunk_op  # noqa: B018 (the offline solve's module and op: generated, cached, registered)
+
     def _validate(self, *args, reference: bool = False):
         """validate(...) for this mixer, and the range assertion where it is on."""
         batch = validate(self.ir, *args)
@@ -366,11 +398,5 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
         if msg:
             raise SpecError(msg, m.error_span(mixer._facts), source, filename)
     if load_kernels:
-        import importlib.util
-        if importlib.util.find_spec("triton") is not None and m.solve_lam is None:
-            mixer.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
-            if mixer.split is not None:  # and the split spec's, which chunk runs where it can
-                mixer.split.chunk_op  # noqa: B018
-        elif importlib.util.find_spec("triton") is not None and m.decay.kind != "diagonal":
-            mixer.chunk_op  # noqa: B018 (the offline solve's module and op: generated, cached, registered)
+        mixer._load_kernels()
     return mixer

@@ -5,7 +5,9 @@ start inside their declared ranges, and mistakes are one clear sentence. Three s
 gates written in the spec (learned per-head params A_log and dt_bias read inside the kernels)."""
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 from pathlib import Path
 
 import pytest
@@ -136,6 +138,41 @@ def test_state_dict_round_trip(compiled):
         assert rms_ratio(b(x)[0], a(x)[0]) > 1e-2  # different seeds, different layers
         b.load_state_dict(a.state_dict())
         torch.testing.assert_close(b(x)[0], a(x)[0])
+
+
+def test_mixer_copies_and_pickles(compiled):
+    """copy.deepcopy and pickle of a Mixer carry its spec and options, not its loaded module: the
+    copy computes what the original does, from a file and from text=, and keeps its options."""
+    gen = torch.Generator().manual_seed(8)
+    q, k = (F.normalize(torch.randn(1, 12, H, K, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(1, 12, H, K, generator=gen)
+    g = -torch.rand(1, 12, H, generator=gen)
+    beta = torch.rand(1, 12, H, generator=gen)
+    text = spec("gated_deltanet").read_text()
+    for m in (compiled(spec("gated_deltanet")), lrdsl.compile(text=text, keep_intermediates=True, check_ranges=True)):
+        want, _ = m.chunk(q, k, v, g=g, beta=beta)
+        for copied in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+            assert copied is not m and copied.canonical() == m.canonical()
+            assert (copied.keep_intermediates, copied.check_ranges) == (m.keep_intermediates, m.check_ranges)
+            got, _ = copied.chunk(q, k, v, g=g, beta=beta)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_model_with_a_layer_copies_and_saves(compiled, tmp_path):
+    """A model holding a Layer: an EMA copy (AveragedModel deep-copies it) and torch.save of the
+    whole model (unpickled by torch.load) compute what the model does."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    torch.manual_seed(9)
+    model = Tiny(compiled(spec("gated_deltanet")), 16)
+    tokens = torch.randint(0, 16, (2, 10), generator=torch.Generator().manual_seed(10))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema.update_parameters(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        want = model(tokens)
+        torch.testing.assert_close(ema(tokens), want)
+        torch.testing.assert_close(loaded(tokens), want)
 
 
 def test_bf16_autocast(compiled):
