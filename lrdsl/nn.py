@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lrdsl.errors import InputError, LrdslError
-from lrdsl.runtime.tensors import MixerState
+from lrdsl.runtime.tensors import MixerState, check_cu_seqlens, check_offsets
 
 CONVOLVED = ("q", "k", "v")
 
@@ -255,8 +255,9 @@ class Layer(nn.Module):
             if x.shape[0] != 1:
                 raise InputError(f"with cu_seqlens the sequences are packed along T, so x must have B = 1, "
                                  f"got B = {x.shape[0]}")
-            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-                raise InputError("cu_seqlens must be a 1-D integer tensor [N + 1]")
+            # before the short convolution, which would fail on bad offsets with raw torch errors
+            check_cu_seqlens(cu_seqlens)
+            check_offsets(cu_seqlens, x.shape[1])
             N = cu_seqlens.numel() - 1
         if cache is None:
             return N

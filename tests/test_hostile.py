@@ -116,6 +116,24 @@ def test_bad_tensors_get_one_clear_error(gdn, path, case):
         getattr(gdn, path)(**x, **kw)
 
 
+@pytest.mark.parametrize("path", ["reference", "chunk", "recurrent"])
+def test_meta_cu_seqlens_gets_one_clear_error(gdn, path):
+    import torch
+
+    from lrdsl.errors import InputError
+    x = _inputs()
+    with pytest.raises(InputError, match="cu_seqlens is a meta tensor"):
+        getattr(gdn, path)(**x, cu_seqlens=torch.tensor([0, 3, 8], device="meta"))
+
+
+@pytest.mark.parametrize("group", [0, "gloo", object()])
+def test_a_cp_group_that_is_not_a_process_group(gdn, group):
+    from lrdsl.errors import InputError
+    with pytest.raises(InputError, match="cp_group must be a torch.distributed process group") as e:
+        gdn.chunk(**_inputs(), cp_group=group)
+    assert "\n" not in str(e.value)
+
+
 def test_step_without_a_state(gdn):
     from lrdsl.errors import InputError
     with pytest.raises(InputError, match="state"):

@@ -255,6 +255,17 @@ def test_clear_errors(compiled):
     assert isinstance(L.new_cache(2), Cache)
 
 
+@pytest.mark.parametrize("cu", [[0, 6, 4, 10], [2, 6, 10], [0, 6, 9], [0, 6, 11], "meta"])
+def test_bad_cu_seqlens_are_one_clear_error_before_the_convolution(compiled, cu):
+    """Offsets that decrease, start above 0 or miss the last tokens, or hold no data (meta): the
+    layer's own error, raised before its short convolution could fail on them."""
+    L = layer(compiled, "gated_deltanet")
+    cu = torch.tensor([0, 6, 10], device="meta") if cu == "meta" else torch.tensor(cu)
+    with pytest.raises(lrdsl.InputError, match="cu_seqlens") as e:
+        L(torch.randn(1, 10, D), cu_seqlens=cu)
+    assert "\n" not in str(e.value)
+
+
 class Tiny(nn.Module):
     """embedding -> x + Layer(RMSNorm(x)) -> x + MLP -> logits: enough to learn recall."""
 

@@ -74,6 +74,18 @@ def pieces(cu: list | None, B: int, lengths: list) -> list:
     return out
 
 
+def check_group(group) -> None:
+    """cp_group must be a process group of an initialised torch.distributed (torch's own message for
+    anything else speaks of a default group or of attributes, not of cp_group)."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise InputError("cp_group needs torch.distributed, which this PyTorch build lacks; call chunk "
+                         "without cp_group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise InputError(f"cp_group must be a torch.distributed process group (dist.group.WORLD or one "
+                         f"made by dist.new_group after dist.init_process_group), not {type(group).__name__}")
+
+
 def _refuse(mixer) -> None:
     m = mixer.ir
     if m.solve_lam is not None:
@@ -142,8 +154,11 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
     last token). initial_state and cu_seqlens are the global ones, the same on every rank."""
     import torch.distributed as dist
 
-    from lrdsl.runtime.tensors import MixerState
+    from lrdsl.runtime.tensors import MixerState, check_cu_seqlens
+    check_group(group)
     _refuse(mixer)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens)
     rank = dist.get_rank(group)
     dev = q.device
     mine = torch.tensor([q.shape[1]], dtype=torch.int64, device=dev)

@@ -74,6 +74,24 @@ def _layout(inp: ir.Input) -> str:
     return f"[B, T, {heads}]" if inp.kind == "scalar" else f"[B, T, {heads}, {inp.kind}]"
 
 
+def check_cu_seqlens(cu_seqlens) -> None:
+    """The type of cu_seqlens: a 1-D integer tensor holding data."""
+    import torch
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()
+            or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool):
+        raise InputError("cu_seqlens must be a 1-D integer tensor [N + 1]")
+    if cu_seqlens.is_meta:
+        raise InputError("cu_seqlens is a meta tensor (shape only, no data); pass the offsets as a real "
+                         "integer tensor")
+
+
+def check_offsets(cu_seqlens, T: int) -> None:
+    """The values of cu_seqlens (checked by check_cu_seqlens): from 0 to T, never decreasing."""
+    c = cu_seqlens.tolist()
+    if len(c) < 2 or c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
+        raise InputError(f"cu_seqlens must start at 0, never decrease and end at T={T}, got {c}")
+
+
 def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=None,
              output_final_state=False, cu_seqlens=None) -> Batch:
     import torch
@@ -119,13 +137,10 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
             raise InputError(f"input {name!r} must have shape {_layout(declared[name])} = "
                              f"[{', '.join(map(str, want))}], got {_shape(t)}")
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise InputError("cu_seqlens must be a 1-D integer tensor [N + 1]")
+        check_cu_seqlens(cu_seqlens)
         if B != 1:
             raise InputError(f"with cu_seqlens the sequences are packed along T, so B must be 1, got B={B}")
-        c = cu_seqlens.tolist()
-        if len(c) < 2 or c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
-            raise InputError(f"cu_seqlens must start at 0, never decrease and end at T={T}, got {c}")
+        check_offsets(cu_seqlens, T)
     from lrdsl.frontend.params import check_tensors
     given.update(check_tensors(mixer, params, HV, K, V, q.device))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
