@@ -358,6 +358,43 @@ def _fp32_if_bf16(t):
     return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
 
 
+def _read_spec(filename: str) -> bytes:
+    """The bytes of a spec file, bounded (/dev/zero or a huge file must not hang). A FIFO or socket
+    is refused: opening one to read waits, possibly forever, for a writer."""
+    import stat
+
+    from lrdsl.frontend.syntax import MAX_BYTES
+    try:
+        # non-blocking, so that opening a FIFO returns at once and fstat can tell what it is
+        fd = os.open(filename, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise SpecError(f"cannot read the spec: {e.strerror}", None, None, filename) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket"
+            raise SpecError(f"cannot read the spec: it is {kind}, not a file, and reading it could wait "
+                            "forever; save the spec to a regular file (or pass its text to "
+                            "lrdsl.compile(text=...))", None, None, filename)
+        if stat.S_ISDIR(mode):
+            raise SpecError("cannot read the spec: it is a directory; give the path of a .lr file",
+                            None, None, filename)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)  # a terminal or other device reads as usual
+        chunks, size = [], 0
+        while size <= MAX_BYTES:
+            chunk = os.read(fd, MAX_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        raise SpecError(f"cannot read the spec: {e.strerror}", None, None, filename) from None
+    finally:
+        os.close(fd)
+
+
 def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None = None,
             check_stability: bool = True, keep_intermediates: bool = False,
             load_kernels: bool = True, check_ranges: bool | None = None) -> Mixer:
@@ -377,12 +414,7 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
     filename = "<spec>"
     if path is not None:
         filename = os.fspath(path)
-        try:
-            with open(filename, "rb") as f:  # bounded: /dev/zero or a huge file must not hang
-                from lrdsl.frontend.syntax import MAX_BYTES
-                text = f.read(MAX_BYTES + 1)
-        except OSError as e:
-            raise SpecError(f"cannot read the spec: {e.strerror}", None, None, filename) from None
+        text = _read_spec(filename)
     source = text if isinstance(text, str) else ""
     m = spec_to_ir(text, filename)
     if isinstance(text, bytes):

@@ -1,5 +1,6 @@
 """A careless or hostile user: huge spec files, non-text specs, cache faults. Each gets a clear
 error or a correct result, never a traceback or a hang."""
+import os
 import subprocess
 import sys
 import warnings
@@ -22,6 +23,16 @@ def test_check_of_an_endless_file_stops_at_the_size_limit():
                           text=True, timeout=60)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "bytes" in proc.stderr and "at most" in proc.stderr, proc.stderr
+
+
+def test_check_of_a_fifo_is_refused_at_once(tmp_path):
+    """Opening a FIFO to read waits for a writer, here forever: it is refused in one line instead."""
+    fifo = tmp_path / "spec.lr"
+    os.mkfifo(fifo)
+    proc = subprocess.run([sys.executable, "-m", "lrdsl.cli", "check", str(fifo)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "FIFO" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.parametrize("text", [123, ["mixer x"], 4.5])
