@@ -49,10 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="FILE", default=None,
                    help="also draw the eigenvalues per head, the decay horizon and any witness of unbounded "
                         "growth into FILE (.png, .svg, .pdf; needs matplotlib)")
-    g = sub.add_parser("compile", help="write the generated kernels module (imports only torch and triton)",
-                       description="Write <mixer name>.py: the spec's Triton kernels (chunked forward and "
-                                   "backward, recurrent decode) and their host functions, readable and the "
-                                   "same bytes for the same spec. It imports only torch and triton.")
+    g = sub.add_parser("compile", help="write the generated kernels module, forward only (imports only torch "
+                                       "and triton)",
+                       description="Write <mixer name>.py: the spec's Triton kernels and their host functions "
+                                   "chunk (chunked) and recurrent (token by token), readable and the same "
+                                   "bytes for the same spec. It imports only torch and triton. Its chunk and "
+                                   "recurrent are forward only: they refuse inputs that require grad under "
+                                   "grad mode; train through lrdsl.compile(spec).chunk, which wires the "
+                                   "backward kernels into autograd.")
     g.add_argument("spec", help="path to a .lr spec file")
     g.add_argument("-o", "--output", metavar="DIR", default=".",
                    help="directory to write <mixer name>.py into (created if missing; default: .)")
@@ -265,7 +269,7 @@ def cmd_compile(args) -> int:
     from lrdsl.codegen.generate import generate
     from lrdsl.runtime.loader import write_atomic
     m = _load(args.spec, check_stability=True)
-    source = generate(m.ir)
+    source = generate(m.ir) + FORWARD_ONLY
     path = Path(args.output) / f"{m.name}.py"
     _refuse_shadowing(m.name, path)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -276,6 +280,52 @@ def cmd_compile(args) -> int:
         raise LrdslError(f"cannot write {path}: {e.strerror or e}") from None
     print(path)
     return 0
+
+
+# Appended to the module `lrdsl compile` writes. Its host functions run the forward kernels outside
+# autograd (lrdsl.runtime.autograd wires the backward, and the written file must import only torch
+# and triton), so their outputs carry no gradient: a call that asks for one is refused rather than
+# training nothing in silence.
+FORWARD_ONLY = '''
+
+# ---- forward only: written by `lrdsl compile` ---------------------------------------------------
+# chunk and recurrent run the forward kernels outside autograd: their outputs carry no gradient back
+# to the inputs. So a call with an input that requires grad, under grad mode, is refused; train
+# through lrdsl.compile(spec).chunk, which wires the backward kernels into autograd.
+_forward_chunk, _forward_recurrent = chunk, recurrent
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _refuse_grad(name, args):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(args)):
+        raise RuntimeError(f"{MIXER}.{name} is forward only (this standalone module wires no backward), "
+                           "but an input requires grad: call it under torch.no_grad() or on detached "
+                           "tensors, or train through lrdsl.compile(spec).chunk")
+
+
+def chunk(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+          **inputs):
+    """Chunk-parallel forward only: (o, final state or None). Refuses inputs that require grad."""
+    _refuse_grad("chunk", (q, k, v, initial_state, inputs))
+    return _forward_chunk(q, k, v, scale, initial_state, output_final_state, cu_seqlens, **inputs)
+
+
+def recurrent(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              **inputs):
+    """Token-by-token forward only: (o, final state or None). Refuses inputs that require grad."""
+    _refuse_grad("recurrent", (q, k, v, initial_state, inputs))
+    return _forward_recurrent(q, k, v, scale, initial_state, output_final_state, cu_seqlens, **inputs)
+'''
 
 
 def _refuse_shadowing(name: str, path) -> None:

@@ -152,8 +152,42 @@ def test_same_spec_same_bytes(compiled_dir, tmp_path, seeds):
 
 def test_generated_source_matches_runtime_generate(compiled_dir):
     for stem, (mixer, path) in compiled_dir.items():
-        assert path.read_text() == runtime.generate(mixer.ir)
+        assert path.read_text() == runtime.generate(mixer.ir) + cli.FORWARD_ONLY
         compile(path.read_text(), str(path), "exec")
+
+
+def _import_written(path, name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("stem", ["gated_deltanet", "mesa_retention"])  # mesa: its states are tuples
+def test_written_module_is_forward_only_and_says_so(stem, tmp_path):
+    """The written chunk and recurrent run outside autograd: an input or initial state that
+    requires grad is refused under grad mode (else q, k, v would silently get no gradient inside a
+    larger loss); without gradients they match the float64 reference."""
+    rc, stdout, err = run_cli("compile", ROOT / "examples" / f"{stem}.lr", "-o", tmp_path)
+    assert rc == 0, err
+    mixer = lrdsl.compile(ROOT / "examples" / f"{stem}.lr", load_kernels=False)
+    mod = _import_written(Path(stdout.strip()), f"written_{stem}_forward_only")
+    x, opts = draw_inputs(mixer, Case(B=1, T=9, H=1, HV=1, K=16, V=16, seed=11))
+    ref_o, _ = mixer.reference(**{n: t.double() for n, t in x.items()}, **opts)
+    S0 = torch.zeros(1, 1, 16, 16, requires_grad=True)
+    state = S0 if mixer.ir.solve_lam is None else (S0, torch.zeros(1, 1, 16, 16), [])
+    for fn in ("chunk", "recurrent"):
+        o, _ = getattr(mod, fn)(**x, **opts)
+        assert rms_ratio(o, ref_o) < TOL, fn
+        y = dict(x, q=x["q"].clone().requires_grad_())
+        with pytest.raises(RuntimeError, match="forward only"):
+            getattr(mod, fn)(**y, **opts)
+        with pytest.raises(RuntimeError, match="forward only"):
+            getattr(mod, fn)(**dict(opts, initial_state=state), **x)
+        with torch.no_grad():
+            o, _ = getattr(mod, fn)(**y, **opts)
+        assert rms_ratio(o, ref_o) < TOL, fn
 
 
 # ---- errors of the command -------------------------------------------------------------------
