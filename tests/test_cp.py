@@ -302,3 +302,68 @@ def test_cp_refuses_the_offline_solve():
     x, opts = draw_inputs(mixer, Case(B=1, T=8, H=1, HV=1, K=4, V=4))
     with pytest.raises(InputError, match="offline solve"):
         mixer.chunk(**x, cp_group=object())
+
+
+# ---- ranks that disagree: the same clear error on every rank -------------------------------------
+def disagreeing_args(rank, what, gen):
+    """Rank `rank`'s arguments of gated_deltanet (20 tokens a rank) where the ranks disagree on `what`."""
+    B = 2 if what == "batch" and rank == 1 else 1
+    K = 32 if what == "K" and rank == 1 else 16
+    shape = (B, 20, 1)
+    x = dict(q=torch.nn.functional.normalize(torch.randn(*shape, K, generator=gen), dim=-1),
+             k=torch.nn.functional.normalize(torch.randn(*shape, K, generator=gen), dim=-1),
+             v=torch.randn(*shape, 16, generator=gen), g=-0.1 * torch.rand(*shape, generator=gen),
+             beta=torch.rand(*shape, generator=gen))
+    cu = None
+    if what == "cu_seqlens":
+        cu = torch.tensor([0, 15 + 10 * rank, 40])
+    N = 2 if cu is not None else B
+    h0 = torch.randn(N, 1, K, 16, generator=torch.Generator().manual_seed(5))  # the same on every rank...
+    if what == "initial_state" and rank == 1:
+        h0[0, 0, 3, 4] += 1e-3  # ...but for one entry
+    if what == "missing input" and rank == 1:
+        del x["g"]
+    return x, h0, cu
+
+
+DISAGREE = {"cu_seqlens": "cu_seqlens", "K": "key size K", "batch": "batch size B",
+            "initial_state": "values of initial_state"}
+
+
+def disagree_worker(rank, world, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    # the ranks stop before any kernel runs: no kernels to load
+    mixer = lrdsl.compile(EXAMPLES["gated_deltanet"], check_stability=False, load_kernels=False)
+    said = {}
+    try:
+        for what in [*DISAGREE, "missing input"]:
+            x, h0, cu = disagreeing_args(rank, what, torch.Generator().manual_seed(10 + rank))
+            try:
+                mixer.chunk(**x, initial_state=h0, cu_seqlens=cu, cp_group=dist.group.WORLD)
+                said[what] = "no error"
+            except InputError as e:
+                said[what] = "InputError: " + str(e)
+    finally:
+        dist.destroy_process_group()
+    torch.save(said, os.path.join(out_dir, f"said.{rank}.pt"))
+
+
+def test_cp_ranks_that_disagree_all_raise_the_same_clear_error():
+    """Different cu_seqlens, K, batch size or initial state on two ranks: one InputError naming
+    what differs, the same on both ranks (not results without a word, nor an abort inside gloo);
+    an input missing on one rank: its own error there, and the other rank stops too."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(disagree_worker, args=(2, d), nprocs=2, join=True)
+        said = [torch.load(os.path.join(d, f"said.{r}.pt")) for r in range(2)]
+    # a rank with a mistake of its own says what it is; the others that it stopped them
+    assert "needs the input 'g'" in said[1]["missing input"], said[1]["missing input"]
+    assert "rank 1 refused its arguments" in said[0]["missing input"], said[0]["missing input"]
+    for what, words in DISAGREE.items():
+        assert said[0][what] == said[1][what], f"{what}: {said[0][what]!r} vs {said[1][what]!r}"
+        assert said[0][what].startswith("InputError: ") and "disagree" in said[0][what], said[0][what]
+        assert words in said[0][what] and "\n" not in said[0][what], said[0][what]

@@ -25,7 +25,7 @@ Only the head takes an incoming state; the other sequences run from their own in
 Every step is a differentiable torch operation (chunk differentiates through its inputs and its
 whole initial state; torch.distributed.nn's all_gather carries gradients back to the rank that
 sent the map), so the backward follows by autograd. Communication per rank: one gather of the
-slice lengths and one or two gathers of K*K + K*V (+ the auxiliary widths) floats per head and
+slice lengths with a fingerprint of the arguments that must agree (`agree`) and one or two gathers of K*K + K*V (+ the auxiliary widths) floats per head and
 carried sequence from each rank: independent of T.
 """
 from __future__ import annotations
@@ -100,6 +100,122 @@ def _refuse(mixer) -> None:
                              "does not carry across ranks: call chunk without cp_group")
 
 
+def _local_error(mixer, q, k, v, scale, cu_seqlens, inputs):
+    """This rank's own mistake (an InputError, not raised yet) or None: the spec refused, cu_seqlens
+    not offsets, its slice of the inputs not fitting the spec. Raised only after the ranks have
+    compared their arguments, so that no rank is left waiting in a collective for one that stopped."""
+    from lrdsl.runtime.tensors import check_cu_seqlens, validate
+    try:
+        _refuse(mixer)
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens)
+        validate(mixer.ir, q, k, v, inputs, scale)  # the slice alone: packed, it is a batch of one
+    except InputError as e:
+        return e
+    return None
+
+
+# What `agree` gathers from every rank, one float64 each (integers and 48-bit hashes are exact):
+# (name, how ranks may differ: "any" / "same" / "close", what the error calls it)
+FIELDS = [("error", "any", ""), ("T", "any", ""),
+          ("B", "same", "the batch size B"), ("H", "same", "the heads H of q and k"),
+          ("HV", "same", "the heads HV of v"), ("K", "same", "the key size K"), ("V", "same", "the value size V"),
+          ("spec", "same", "the spec"), ("dtypes", "same", "the inputs' dtypes"),
+          ("scale", "same", "scale"), ("cu", "same", "cu_seqlens"),
+          ("state", "same", "the kind, shapes and dtypes of initial_state"),
+          ("state_sum", "close", "the values of initial_state"), ("state_sq", "close", "the values of initial_state"),
+          ("state_w", "close", "the values of initial_state"), ("params", "same", "the shapes of the params"),
+          ("param_sum", "close", "the values of the params"), ("param_sq", "close", "the values of the params"),
+          ("param_w", "close", "the values of the params")]
+
+
+def _hash48(text: str) -> float:
+    import hashlib
+    return float(int(hashlib.sha256(text.encode()).hexdigest()[:12], 16))
+
+
+def _moments(tensors, device) -> list:
+    """Sum, sum of squares and a position-weighted sum of the tensors' entries (float64, on the
+    device): equal tensors give equal numbers; a changed, moved or swapped entry changes them."""
+    flat = [t.detach().reshape(-1).double() for t in tensors]
+    x = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=device)
+    w = torch.linspace(1.0, 2.0, x.numel(), dtype=torch.float64, device=x.device)
+    return [x.sum(), (x * x).sum(), (x * w).sum()]
+
+
+def agree(mixer, q, k, v, scale, initial_state, cu_seqlens, inputs, group, local_error) -> list:
+    """Every rank's slice length, after one all_gather of a fixed-size fingerprint of the arguments
+    that must agree across ranks (sizes, dtypes, spec, scale, cu_seqlens, initial_state, params):
+    ranks that disagree (or any rank with a mistake of its own) raise the same InputError on every
+    rank, instead of computing a wrong answer in silence or aborting inside the backend on
+    collectives of different sizes."""
+    import math
+
+    from lrdsl.frontend import printer
+    from lrdsl.runtime.tensors import MixerState
+    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    row = {name: 0.0 for name, _, _ in FIELDS}
+    parts, params = [], []
+    if local_error is not None:
+        row["error"] = 1.0
+    else:
+        row["T"] = q.shape[1]
+        row["B"], row["H"], row["K"] = q.shape[0], q.shape[2], q.shape[3]
+        row["HV"], row["V"] = v.shape[2], v.shape[3]
+        row["spec"] = _hash48(printer.explicit(mixer.ir))
+        given = dict(inputs, q=q, k=k, v=v)
+        pnames = {p.name for p in mixer.ir.params}
+        row["dtypes"] = _hash48(",".join(f"{n}:{given[n].dtype}" for n in sorted(given)))
+        row["scale"] = _hash48("None" if scale is None else repr(float(scale)))
+        row["cu"] = _hash48("None" if cu_seqlens is None else repr([int(c) for c in cu_seqlens.tolist()]))
+        if isinstance(initial_state, MixerState) and isinstance(initial_state.aux, dict):
+            parts = [("S", initial_state.S), *sorted(initial_state.aux.items(), key=lambda a: str(a[0]))]
+        elif initial_state is not None:
+            parts = [("tensor", initial_state)]
+        if any(not isinstance(t, torch.Tensor) or t.is_meta for _, t in parts):
+            row["state"] = -1.0  # not tensors: the later shape check says so, on every rank alike
+            parts = []
+        else:
+            row["state"] = _hash48(repr([(n, tuple(t.shape), str(t.dtype)) for n, t in parts]
+                                        if initial_state is not None else None))
+        params = [(n, given[n]) for n in sorted(pnames & set(given))]
+        row["params"] = _hash48(repr([(n, tuple(t.shape)) for n, t in params]))
+    with torch.no_grad():
+        numbers = [torch.tensor(row[name], dtype=torch.float64, device=dev) for name, _, _ in FIELDS]
+        index = {name: i for i, (name, _, _) in enumerate(FIELDS)}
+        for prefix, tensors in (("state", [t for _, t in parts]), ("param", [t for _, t in params])):
+            for suffix, x in zip(("sum", "sq", "w"), _moments(tensors, dev)):
+                numbers[index[f"{prefix}_{suffix}"]] = x.to(dev)
+        table = _gather(torch.stack(numbers), group, False).cpu().tolist()
+    bad = [r for r, t in enumerate(table) if t[index["error"]]]
+    if bad:
+        if local_error is not None:
+            raise local_error
+        raise InputError(f"context parallelism: rank{'s' if len(bad) > 1 else ''} "
+                         f"{', '.join(map(str, bad))} refused {'their' if len(bad) > 1 else 'its'} "
+                         "arguments (its error says why), so every rank stops")
+    for name, how, what in FIELDS:
+        i = index[name]
+        values = [t[i] for t in table]
+        if how == "any":
+            continue
+        if how == "same":
+            differ = any(x != values[0] for x in values)
+        else:
+            differ = any(not (math.isclose(x, values[0], rel_tol=1e-9, abs_tol=1e-12)
+                              or (math.isnan(x) and math.isnan(values[0]))) for x in values)
+        if differ:
+            other = [str(r) for r, x in enumerate(values) if x != values[0]]
+            shown = (f": {', '.join(f'rank {r} has {int(x)}' for r, x in enumerate(values))}"
+                     if name in ("B", "H", "HV", "K", "V") else
+                     f" (rank{'s' if len(other) > 1 else ''} {', '.join(other)} "
+                     f"differ{'' if len(other) > 1 else 's'} from rank 0)")
+            raise InputError(f"context parallelism: the ranks disagree on {what}{shown}; every rank must "
+                             "pass the same spec, batch size, head sizes, dtypes, scale, the global "
+                             "cu_seqlens, the global initial_state and the same params")
+    return [int(t[index["T"]]) for t in table]
+
+
 class _Tie(torch.autograd.Function):
     """x, with `others` in its autograd graph (zero gradient). Every rank must run the backward of
     every all_gather, in the same order, whatever it differentiates for: the results are tied to the
@@ -154,15 +270,15 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
     last token). initial_state and cu_seqlens are the global ones, the same on every rank."""
     import torch.distributed as dist
 
-    from lrdsl.runtime.tensors import MixerState, check_cu_seqlens
-    check_group(group)
-    _refuse(mixer)
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens)
+    from lrdsl.runtime.tensors import MixerState
+    local_error = _local_error(mixer, q, k, v, scale, cu_seqlens, inputs)
+    try:
+        check_group(group)
+    except InputError as e:  # no group to tell the others through: this rank's own mistake first
+        raise (local_error or e) from None
     rank = dist.get_rank(group)
     dev = q.device
-    mine = torch.tensor([q.shape[1]], dtype=torch.int64, device=dev)
-    lengths = [int(t.item()) for t in _gather(mine, group, False)]
+    lengths = agree(mixer, q, k, v, scale, initial_state, cu_seqlens, inputs, group, local_error)
     cu = None if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
     if min(lengths) < 1:
         raise InputError(f"context parallelism needs at least one token on every rank; the slices "
