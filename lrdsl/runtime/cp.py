@@ -25,8 +25,9 @@ Only the head takes an incoming state; the other sequences run from their own in
 Every step is a differentiable torch operation (chunk differentiates through its inputs and its
 whole initial state; torch.distributed.nn's all_gather carries gradients back to the rank that
 sent the map), so the backward follows by autograd. Communication per rank: one gather of the
-slice lengths with a fingerprint of the arguments that must agree (`agree`) and one or two gathers of K*K + K*V (+ the auxiliary widths) floats per head and
-carried sequence from each rank: independent of T.
+slice lengths with a fingerprint of the arguments that must agree (`agree`), and one or two
+gathers of K*K + K*V (+ the auxiliary widths) floats per head and carried sequence from each rank:
+independent of T.
 """
 from __future__ import annotations
 
