@@ -147,12 +147,18 @@ class Mixer:
     solve_lam: sp.Expr | None = None
     solve_steps: int = 30  # conjugate-gradient steps of the kernels' solve (the reference is exact)
     params: tuple = ()  # Param, ...: learned per-head numbers the per-token expressions may read
+    # `allow ill_conditioned`: accept an offline solve whose condition number the declared ranges
+    # leave unbounded (the kernels' fixed number of CG steps may then be far from the exact solve)
+    allow_ill_conditioned: bool = False
     update_span: Span | None = field(default=None, compare=False, hash=False)
     readout_span: Span | None = field(default=None, compare=False, hash=False)
 
     def error_span(self, facts: dict) -> Span | None:
-        """Where a checker's error points: the readout for an ill-posed solve, else the update."""
-        return self.readout_span if facts.get("solve_well_posed") is False else self.update_span
+        """Where a checker's error points: the readout for an ill-posed or ill-conditioned solve,
+        else the update."""
+        cg = facts.get("cg") or {}
+        ill = cg.get("bounded") is False and cg.get("argument") != "not symmetric" and not self.allow_ill_conditioned
+        return self.readout_span if facts.get("solve_well_posed") is False or ill else self.update_span
 
     def expressions(self) -> tuple:
         """(expression, span) of every per-token expression: the lets, the auxiliary states' decays

@@ -29,7 +29,7 @@ RESERVED = {"S", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
             "atk", "atq", "online", "offline", "scale", "initial_state", "output_final_state",
             "cu_seqlens", "self", "mixer_name", "torch", "triton", "tl", "math", "inputs"}
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}\Z")
-ALLOWS = {"unstable"}
+ALLOWS = {"unstable", "ill_conditioned"}
 
 
 def check_name(name: str, span, what: str = "name") -> None:
@@ -430,7 +430,8 @@ def lower(spec: Spec) -> ir.Mixer:
             readout = st
         elif isinstance(st, Allow):
             if st.what not in ALLOWS:
-                raise SpecError(f"unknown allowance '{st.what}'; the one allowance is `allow unstable`", st.span)
+                raise SpecError(f"unknown allowance '{st.what}'; the allowances are `allow unstable` and "
+                                "`allow ill_conditioned`", st.span)
             allow.add(st.what)
     for need, kind in (("q", "K"), ("k", "K"), ("v", "V")):
         got = next((i for i in inputs if i.name == need), None)
@@ -459,7 +460,7 @@ def lower(spec: Spec) -> ir.Mixer:
                             readout.span)
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
-                 readout_span=readout.span)
+                 readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow)
     check_constants(m, update.span)
     return m
 
