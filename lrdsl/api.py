@@ -356,7 +356,8 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
     if isinstance(text, bytes):
         source = text.decode("utf-8")  # spec_to_ir succeeded, so it is UTF-8
     from lrdsl.checks.checker import domain_error
-    bad = domain_error(m)
+    from lrdsl.frontend.lower import inverse_decay_error
+    bad = inverse_decay_error(m) or domain_error(m)
     if bad:
         raise SpecError(bad[0], bad[1], source, filename)
     mixer = Mixer(m, source, filename, keep_intermediates, check_ranges)
