@@ -136,7 +136,7 @@ def test_a_constant_in_front_of_the_transition_keeps_strong_decays_finite(name):
     assert not bad, f"chunk: {bad}"
 
 
-def test_a_transition_that_needs_the_inverse_decay_is_refused():
+def test_a_transition_that_needs_the_inverse_decay_is_refused(tmp_path):
     """M = D - beta k k^T with D per key channel is (I - a c^T) D only with c = k exp(-g), and
     D (I - a c^T) only with a = beta k exp(-g): both divide by the decay, so the spec is refused."""
     import lrdsl
@@ -145,3 +145,11 @@ def test_a_transition_that_needs_the_inverse_decay_is_refused():
     with pytest.raises(lrdsl.SpecError, match="only with the decay's inverse") as e:
         lrdsl.compile(text=text, load_kernels=False)
     assert str(e.value).startswith("<spec>:3:1: error:")
+    # `lrdsl check` prints the checker's analysis of M = D - x y^T, then refuses (exit 1, no traceback)
+    import subprocess
+    import sys
+    path = tmp_path / "m.lr"
+    path.write_text(text)
+    run = subprocess.run([sys.executable, "-m", "lrdsl.cli", "check", str(path)], capture_output=True, text=True)
+    assert run.returncode == 1 and "M = D - x y^T" in run.stdout
+    assert "only with the decay's inverse" in run.stderr and "Traceback" not in run.stderr
