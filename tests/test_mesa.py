@@ -153,7 +153,8 @@ def test_an_open_end_of_a_declared_range_is_checked_as_open():
 def test_an_infinite_regulariser_is_refused_or_clamped(compiled):
     """lamb = +inf at one token: the exact solve's limit is an output of 0 there, which CG from the
     Jacobi start cannot give (inf - inf: nan). Where lamb has no finite upper bound the kernels
-    refuse it; where it has one (mesa.lr) they clamp it there, as the reference does."""
+    refuse it; where it has one (mesa.lr) they clamp it there, as the reference does. lamb = 0 at
+    the open end of (0, inf) is refused by the kernels too (without check_ranges)."""
     x = draw(B=1, T=6, H=1, HV=1, K=4, V=3, seed=22)
     x["lamb"][0, 3, 0] = math.inf
     loose = lrdsl.compile(text=UNBOUNDED + "allow ill_conditioned\n")
@@ -162,6 +163,11 @@ def test_an_infinite_regulariser_is_refused_or_clamped(compiled):
     for path in (loose.chunk, loose.recurrent):
         with pytest.raises(lrdsl.InputError, match=r"'lamb' is \+inf"):
             path(**_f32(x))
+    x["lamb"][0, 3, 0] = 0.0  # the open end: clamped there the solve may be singular
+    for path in (loose.chunk, loose.recurrent):
+        with pytest.raises(lrdsl.InputError, match=r"'lamb' is at or below 0"):
+            path(**_f32(x))
+    x["lamb"][0, 3, 0] = math.inf
     mixer = compiled(SPEC, check_ranges=False)
     ref, _ = mixer.reference(**x)
     for path in (mixer.chunk, mixer.recurrent):
