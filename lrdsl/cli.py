@@ -256,6 +256,10 @@ def cmd_check(args) -> int:
     if args.plot:  # drawn for a refused spec too: that picture says why
         checkplot.draw(m, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
+    from lrdsl.frontend.lower import inverse_decay_error
+    inverse = inverse_decay_error(m.ir)
+    if inverse:
+        raise SpecError(inverse[0], inverse[1], m.source, m.filename)
     if msg:
         raise SpecError(msg, m.ir.error_span(facts), m.source, m.filename)
     return 0

@@ -91,3 +91,65 @@ def test_check_ranges_refuses_out_of_range_inputs():
         for mixer, paths in ((default, ("chunk", "recurrent")), (off, ("reference", "chunk", "recurrent"))):
             for path_name in paths:
                 assert torch.isfinite(getattr(mixer, path_name)(**x, **opts)[0]).all()
+
+
+# Each family with a constant factor per head in front of its transition (RetNet's 1 - 2^(-5 - h)).
+# Read as D (I - a c^T) with a = beta k exp(-g), c = k exp(g), a decay per key channel computes
+# exp(-g) = inf at g = -120 and gives nan on every path; the canonical reading keeps the constant in D.
+CONST = "(1 - 2^(-5 - h))"
+CONSTANT_IN_FRONT = {
+    "deltanet": ("input q[K] l2norm, k[K] l2norm, v[V], beta in (0, 1)", "(I - beta k k^T)", "beta k v^T"),
+    "gated_deltanet": ("input q[K] l2norm, k[K] l2norm, v[V], g log, beta in (0, 1)",
+                       "(I - beta k k^T) exp(g)", "beta k v^T"),
+    "kda": ("input q[K] l2norm, k[K] l2norm, v[V], g[K] log, beta in (0, 1)",
+            "(I - beta k k^T) diag(exp(g))", "beta k v^T"),
+    "gla": ("input q[K] l2norm, k[K] l2norm, v[V], g[K] log", "diag(exp(g))", "k v^T"),
+    "gdn2": ("input q[K] l2norm, k[K] l2norm, v[V], g[K] log, b[K] in [0, 1], w[V] in [0, 1]",
+             "(I - k (b*k)^T) diag(exp(g))", "k (w*v)^T"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONSTANT_IN_FRONT))
+def test_a_constant_in_front_of_the_transition_keeps_strong_decays_finite(name):
+    """One token at g = -120 (exp(g) = 0 in fp32, exp(-g) = inf) with a constant in front of the
+    transition: chunk, recurrent and the chunk gradients against the float64 reference."""
+    import lrdsl
+    inputs, transition, write = CONSTANT_IN_FRONT[name]
+    mixer = lrdsl.compile(text=f"mixer {name}_c\n{inputs}\nS = {CONST} {transition} S + {write}\no = S^T q\n")
+    case = Case(B=1, T=24, H=1, HV=2, K=16, V=16, initial_state=True, seed=8)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    if "g" in x:
+        x["g"][0, 9] = -120.0
+    ref_leaves = {n: t.double().requires_grad_() for n, t in x.items()}
+    ref_o, ref_s = mixer.reference(**ref_leaves, **dict(opts, initial_state=opts["initial_state"].double()))
+    do = torch.randn_like(ref_o)
+    (ref_o * do).sum().backward()
+    with torch.no_grad():
+        o, s = mixer.recurrent(**x, **opts)
+    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL, "recurrent"
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, s = mixer.chunk(**leaves, **opts)
+    (o * do.float()).sum().backward()
+    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s)}
+    errs.update({"d" + n: rms_ratio(leaves[n].grad, ref_leaves[n].grad) for n in x})
+    bad = {n: e for n, e in errs.items() if not e < (TOL if n in ("o", "S", "dq", "dk", "dv") else 10 * TOL)}
+    assert not bad, f"chunk: {bad}"
+
+
+def test_a_transition_that_needs_the_inverse_decay_is_refused(tmp_path):
+    """M = D - beta k k^T with D per key channel is (I - a c^T) D only with c = k exp(-g), and
+    D (I - a c^T) only with a = beta k exp(-g): both divide by the decay, so the spec is refused."""
+    import lrdsl
+    text = ("mixer m\ninput q[K] l2norm, k[K] l2norm, v[V], g[K] log, beta in (0, 1)\n"
+            "S = diag(exp(g)) S - beta k k^T S + beta k v^T\no = S^T q\n")
+    with pytest.raises(lrdsl.SpecError, match="only with the decay's inverse") as e:
+        lrdsl.compile(text=text, load_kernels=False)
+    assert str(e.value).startswith("<spec>:3:1: error:")
+    # `lrdsl check` prints the checker's analysis of M = D - x y^T, then refuses (exit 1, no traceback)
+    import subprocess
+    import sys
+    path = tmp_path / "m.lr"
+    path.write_text(text)
+    run = subprocess.run([sys.executable, "-m", "lrdsl.cli", "check", str(path)], capture_output=True, text=True)
+    assert run.returncode == 1 and "M = D - x y^T" in run.stdout
+    assert "only with the decay's inverse" in run.stderr and "Traceback" not in run.stderr

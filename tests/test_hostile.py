@@ -177,6 +177,38 @@ def test_a_let_chain_too_deep_to_analyse_is_refused_where_it_gets_too_deep(step)
     assert 10 < line < 100  # the let where the depth passed the cap, not the end of the file
 
 
+@pytest.mark.parametrize("into", ["write", "erase"])
+def test_compile_work_grows_linearly_in_a_let_chain(into, monkeypatch):
+    """Substitutions (sympy xreplace) and lambdify calls of compile + check, counted (not timed) at
+    40 and 80 lets into the write or the erase: the lets are inlined once, in order, so doubling
+    the chain at most doubles the substitutions (inlining every let again for each one was
+    quadratic: 4x), and no let is lambdified unless a witness reports it."""
+    import sympy as sp
+    calls = {"xreplace": 0, "lambdify": 0}
+    real_x, real_l = sp.Basic.xreplace, sp.lambdify
+
+    def xreplace(self, *a, **k):
+        calls["xreplace"] += 1
+        return real_x(self, *a, **k)
+
+    def lambdify(*a, **k):
+        calls["lambdify"] += 1
+        return real_l(*a, **k)
+    monkeypatch.setattr(sp.Basic, "xreplace", xreplace)
+    monkeypatch.setattr(sp, "lambdify", lambdify)
+    counts = []
+    for n in (40, 80):
+        calls.update(xreplace=0, lambdify=0)
+        text = _chain(n, "{p}*0.5 + 0.25")
+        if into == "write":
+            text = text.replace(f"S = (I - (0.5*x{n - 1}*k) k^T) S + k v^T",
+                                f"S = (I - 0.5 k k^T) S + (x{n - 1}*k) v^T")
+        lrdsl.compile(text=text, load_kernels=False).check()
+        counts.append(dict(calls))
+    assert counts[1]["xreplace"] <= 2 * counts[0]["xreplace"], counts
+    assert counts[1]["lambdify"] == counts[0]["lambdify"], counts
+
+
 @pytest.mark.slow
 def test_a_long_chain_that_folds_compiles():
     m = lrdsl.compile(text=_chain(2000, "{p}*0.5 + 0.25"), load_kernels=False)

@@ -10,6 +10,7 @@ and the tests ask for 1e-4 (fp32 solves measure 1e-7 to 1e-6 here). With fewer s
 error is bounded by CG's rate (see test_few_steps_stay_within_the_cg_bound)."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from lrdsl.testing import rms_ratio
 
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "mesa.lr"
 RETENTION = SPEC.parent / "mesa_retention.lr"  # a constant decay per head, lamb = 0.25 + softplus(x)
-UNDECAYED = ("mixer mesa_plain\ninput q[K] l2norm, k[K] l2norm, v[V], lamb[K] in (0, inf)\n"
+UNDECAYED = ("mixer mesa_plain\ninput q[K] l2norm, k[K] l2norm, v[V], lamb[K] in [0.1, 10]\n"
              "S = S + k v^T\no = S^T (G + diag(lamb))^-1 q\n")  # no decay, no gain
 
 
@@ -103,6 +104,75 @@ def test_an_unbounded_regulariser_is_refused_at_the_readout():
     with pytest.raises(lrdsl.SpecError, match="not proved well posed") as e:
         lrdsl.compile(text=text)
     assert str(e.value).startswith("<spec>:4:1: error:")
+
+
+UNBOUNDED = SPEC.read_text().replace("input lamb[K] in [0.01, 10]\n", "")  # lamb in (0, inf), the axis default
+
+
+def test_an_unbounded_condition_number_is_refused_at_the_solve(tmp_path):
+    """lamb in (0, inf) lets G + diag(lamb) be as ill-conditioned as one likes (lamb = 1e-8 put
+    chunk 1.5 and recurrent 1e4 off the exact solve): refused at the solve line with what fixes it,
+    by compile and by `lrdsl check` (exit 1, no traceback), unless the spec allows it."""
+    with pytest.raises(lrdsl.SpecError, match="condition number unbounded") as e:
+        lrdsl.compile(text=UNBOUNDED, load_kernels=False)
+    line = UNBOUNDED.splitlines().index("solve offline lamb") + 1
+    msg = str(e.value)
+    assert msg.startswith(f"<spec>:{line}:1: error:")
+    assert "lower bound" in msg and "upper bound" in msg and "allow ill_conditioned" in msg
+    path = tmp_path / "m.lr"
+    path.write_text(UNBOUNDED)
+    run = subprocess.run([sys.executable, "-m", "lrdsl.cli", "check", str(path)], capture_output=True, text=True)
+    assert run.returncode == 1 and "condition number unbounded" in run.stderr and "Traceback" not in run.stderr
+    allowed = lrdsl.compile(text=UNBOUNDED + "allow ill_conditioned\n", load_kernels=False)
+    assert allowed.ir.allow_ill_conditioned and allowed.check()["cg"]["bounded"] is False
+    assert lrdsl.compile(text=allowed.explicit(), load_kernels=False).ir == allowed.ir  # printed and read back
+    # a regulariser computed from inputs: the fix names the inputs' ranges
+    with pytest.raises(lrdsl.SpecError, match=r"keep the regulariser softplus\(lamb_raw\)"):
+        lrdsl.compile(text=RETENTION.read_text().replace("in (-4, 4)", "in (-4, inf)"), load_kernels=False)
+
+
+def test_an_open_end_of_a_declared_range_is_checked_as_open():
+    """lamb = 0 where lamb is declared in (0, inf) is outside the range: the check refuses it
+    (it used to pass, and the singular solve gave 7.6e8 where the limit is 6.5); a closed end
+    admits its end point."""
+    mixer = lrdsl.compile(text=UNBOUNDED + "allow ill_conditioned\n", load_kernels=False)
+    x = draw(B=1, T=4, H=1, HV=1, K=3, V=2, seed=21)
+    x["lamb"][0, 2, 0, 1] = 0.0
+    with pytest.raises(lrdsl.InputError, match=r"'lamb' has values outside its declared range \(0, inf\)"):
+        mixer.reference(**x)
+    closed = lrdsl.compile(text=UNBOUNDED.replace("solve offline lamb", "input lamb[K] in [0.01, 10]\n"
+                                                  "solve offline lamb"), load_kernels=False)
+    x["lamb"][0, 2, 0, 1] = 0.01
+    closed.reference(**x)  # the closed end is inside
+    opened = lrdsl.compile(text=UNBOUNDED.replace("solve offline lamb", "input lamb[K] in (0.01, 100]\n"
+                                                  "solve offline lamb"), load_kernels=False)
+    with pytest.raises(lrdsl.InputError, match=r"\(0.01, 100\]"):
+        opened.reference(**x)
+
+
+def test_an_infinite_regulariser_is_refused_or_clamped(compiled):
+    """lamb = +inf at one token: the exact solve's limit is an output of 0 there, which CG from the
+    Jacobi start cannot give (inf - inf: nan). Where lamb has no finite upper bound the kernels
+    refuse it; where it has one (mesa.lr) they clamp it there, as the reference does. lamb = 0 at
+    the open end of (0, inf) is refused by the kernels too (without check_ranges)."""
+    x = draw(B=1, T=6, H=1, HV=1, K=4, V=3, seed=22)
+    x["lamb"][0, 3, 0] = math.inf
+    loose = lrdsl.compile(text=UNBOUNDED + "allow ill_conditioned\n")
+    ref, _ = loose.reference(**x)
+    assert torch.isfinite(ref).all() and ref[0, 3].abs().max() == 0  # the limit
+    for path in (loose.chunk, loose.recurrent):
+        with pytest.raises(lrdsl.InputError, match=r"'lamb' is \+inf"):
+            path(**_f32(x))
+    x["lamb"][0, 3, 0] = 0.0  # the open end: clamped there the solve may be singular
+    for path in (loose.chunk, loose.recurrent):
+        with pytest.raises(lrdsl.InputError, match=r"'lamb' is at or below 0"):
+            path(**_f32(x))
+    x["lamb"][0, 3, 0] = math.inf
+    mixer = compiled(SPEC, check_ranges=False)
+    ref, _ = mixer.reference(**x)
+    for path in (mixer.chunk, mixer.recurrent):
+        o, _ = path(**_f32(x))
+        assert rms_ratio(o, ref) < 1e-4
 
 
 @pytest.mark.parametrize("text, words", [
@@ -349,7 +419,8 @@ def _kappas(mixer, x):
 def test_check_bounds_cg_from_the_declared_ranges():
     """The "cg" fact: unbounded where lamb may reach 0 (mesa.lr), a condition-number bound that
     holds on admissible inputs where lam and the Gram state's growth are bounded."""
-    mesa = lrdsl.compile(SPEC, load_kernels=False).check()["cg"]
+    unbounded = SPEC.read_text().replace("in [0.01, 10]", "in (0, inf)") + "allow ill_conditioned\n"
+    mesa = lrdsl.compile(text=unbounded, load_kernels=False).check()["cg"]
     assert mesa["steps"] == 30 and not mesa["bounded"] and "reaches down to 0" in mesa["argument"]
     text = ("mixer m\ninput q[K] l2norm, k[K] l2norm, v[V], beta in (0, 1), lamb[K] in (0.5, 2)\n"
             "S = 0.9 S + (beta*k) v^T\no = S^T (G + diag(lamb))^-1 q\nsolve offline steps 7\n")

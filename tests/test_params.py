@@ -407,7 +407,7 @@ def test_init_draws_what_it_says():
 def test_params_with_the_offline_solve():
     """A Mesa spec whose decay reads a param: forward and gradients (the param's too)."""
     mixer = lrdsl.compile(text="""mixer mesa_gates
-input a, beta in (0, 1)
+input a, beta in (0, 1), lamb[K] in [0.01, 10]
 param A_log
 let g = -exp(A_log) * softplus(a)
 decay scalar g

@@ -129,13 +129,16 @@ def test_chunk_scans_each_auxiliary_state_once(compiled, monkeypatch):
         _close(state, ref_state, "the final state")
 
 
-# an offline solve with an auxiliary scan: P enters the regulariser (0.25 + P > 0 as P >= 0)
+# an offline solve with an auxiliary scan: P enters the regulariser (0.25 + P > 0 as P >= 0); P
+# grows without bound where g_p reaches 0, so the condition number has no bound from the ranges
+# (the drawn inputs keep it moderate): the spec says it accepts that
 MESA_AUX = """mixer mesa_aux
 input q[K] l2norm, k[K] l2norm, v[V], g log, beta in (0, 1), g_p log, b_p in (0, 1)
 state P[K] = exp(g_p) * P + b_p * k * k
 S = exp(g) S + (beta*k) v^T
 o = S^T (G + diag(0.25 + P))^-1 q
 solve offline steps 16
+allow ill_conditioned
 """
 MESA = EXAMPLES[0].parent / "mesa.lr"
 # lets of auxiliary states, made once by the aux pass for the staged kernels: n through another let,

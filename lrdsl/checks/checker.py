@@ -348,6 +348,9 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
         return ("the readout's solve (G + diag(lamb))^-1 q is not proved well posed: declare the regulariser "
                 "positive (e.g. `lamb[K] in (0, inf)`), keep the write key a non-negative multiple of k and the "
                 "decay one number per head (a decay per key channel makes the Gram state non-symmetric)")
+    bad_cg = cg_error(mixer, result)
+    if bad_cg:
+        return bad_cg
     if result["facts"]["stable"] == PROVED or mixer.allow_unstable:
         return None
     w = result["witnesses"].get("stable")
@@ -387,3 +390,23 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
     return (f"the eigenvalues of the transition could not be proved inside [-1, 1]: {found} as far as the "
             f"checker can tell (an enclosure, possibly wider than the truth), and {seen}; write it so that its "
             f"range is provable (e.g. through one input) or declare narrower input ranges{tail}")
+
+
+def cg_error(mixer: ir.Mixer, result: dict) -> str | None:
+    """One sentence for an offline solve whose declared ranges leave the condition number of
+    G + diag(lam) unbounded (None when bounded, allowed, or not solved by CG): the kernels stop after
+    a fixed number of CG steps, and fp32 rounding grows with the condition number too, so such a
+    spec gives outputs far from the exact solve for admissible inputs (lam = 1e-8: off by 1.5)."""
+    cg = result.get("cg")
+    if cg is None or cg["bounded"] or cg.get("argument") == "not symmetric" or mixer.allow_ill_conditioned:
+        return None
+    lam = mixer.solve_lam
+    name = next((i.name for i in (*mixer.inputs, *mixer.params) if i.symbol == lam), None)
+    how = (f"declare a positive lower bound and a finite upper bound for {name} (e.g. `input {name}[K] in "
+           f"[0.01, 100]`)" if name is not None else
+           f"declare input ranges that keep the regulariser {printer.expr(lam)} between a positive lower bound "
+           "and a finite upper bound")
+    return (f"the kernels solve (G + diag({printer.expr(lam)})) x = q by a fixed {cg['steps']} conjugate-gradient "
+            f"steps, but the declared ranges leave its condition number unbounded ({cg['argument']}), so for "
+            f"admissible inputs they can return outputs far from the exact solve; {how}, or add "
+            "`allow ill_conditioned` to accept it")

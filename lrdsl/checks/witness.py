@@ -10,6 +10,7 @@ repeating it grows the state geometrically.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ class Numeric:
     a: object
     c: object
     aux: tuple  # (name, decay, write), in the reference's order
-    lets: tuple  # (name, kind, function): reported with a witness
+    lets: tuple  # (name, kind, expression): reported with a witness (let_functions)
     aux_free: bool  # no aux state's decay or write reads an aux state (they batch over tokens)
     uses_h: bool  # the head index appears: a witness names its h
 
@@ -55,9 +56,17 @@ def numeric(mixer: ir.Mixer) -> Numeric:
     return Numeric(m, tuple(map(str, args)), tuple(i for i in (*m.inputs, *m.params) if i.symbol in syms),
                    *[_fn(args, e) for e in exprs] + [None] * (3 - len(exprs)),
                    tuple((n, _fn(args, dc), _fn(args, w)) for n, dc, w in aux),
-                   tuple((n, k, _fn(args, e)) for n, k, e in lets if sp.sympify(e).free_symbols <= syms),
+                   tuple((n, k, e) for n, k, e in lets if sp.sympify(e).free_symbols <= syms),
                    not any(sp.sympify(e).has(ir.symbol(x.name)) for _, *p in aux for e in p for x in m.aux),
                    any(sp.sympify(e).has(ir.HEAD) for e in exprs + [e for _, *p in aux for e in p]))
+
+
+@functools.lru_cache(maxsize=8)
+def let_functions(num: Numeric) -> tuple:
+    """The lets' numpy functions, made when a witness first reports them: lambdify costs
+    milliseconds a let, which a spec of a thousand lets should not pay on every check."""
+    args = tuple(ir.HEAD if a == str(ir.HEAD) else ir.symbol(a) for a in num.args)  # as numeric() sorted them
+    return tuple(_fn(args, e) for _, _, e in num.lets)
 
 
 # ---- admissible values ---------------------------------------------------------------------------
@@ -346,7 +355,7 @@ def replay_step(num: Numeric, w: dict):
     K = w["K"]
     env = _run(num, w)
     last = {f"aux:{name}": _value(env[name][-1]) for name, _, _ in num.aux}
-    for name, kind, f in num.lets:
+    for (name, kind, _), f in zip(num.lets, let_functions(num)):
         last[f"let:{name}"] = _value(_call(num, f, env, len(env["h"]), K)[-1, :1 if kind == "scalar" else K])
     d, a, c = _pieces(num, {k: v[-1:] for k, v in env.items()}, K)
     order = num.mixer.delta.order if num.mixer.delta else None

@@ -172,7 +172,8 @@ def desugar(spec: Spec) -> Spec:
         gram = BinOp("add", Var("G", solve.span), Call("diag", (Var(lam, lspan),), (), lspan), solve.span)
         read = BinOp("matmul", read, BinOp("pow", gram, Neg(Num(Fraction(1), solve.span), solve.span),
                                            solve.span), solve.span)
-    stmts.append(Readout(BinOp("matmul", read, query, span), span))
+    # an error about the solve (ill-posed, ill-conditioned) points at the solve line
+    stmts.append(Readout(BinOp("matmul", read, query, span), solve.span if offline else span))
     allows = tuple(s for s in spec.statements if isinstance(s, Allow))
     return Spec(spec.name, (Inputs(tuple(decls), spec.span), *gates, *stmts, *allows), spec.span)
 

@@ -9,6 +9,7 @@ scalar algebra on those symbols, and their kinds ("scalar", "K", "V") say how th
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -147,12 +148,18 @@ class Mixer:
     solve_lam: sp.Expr | None = None
     solve_steps: int = 30  # conjugate-gradient steps of the kernels' solve (the reference is exact)
     params: tuple = ()  # Param, ...: learned per-head numbers the per-token expressions may read
+    # `allow ill_conditioned`: accept an offline solve whose condition number the declared ranges
+    # leave unbounded (the kernels' fixed number of CG steps may then be far from the exact solve)
+    allow_ill_conditioned: bool = False
     update_span: Span | None = field(default=None, compare=False, hash=False)
     readout_span: Span | None = field(default=None, compare=False, hash=False)
 
     def error_span(self, facts: dict) -> Span | None:
-        """Where a checker's error points: the readout for an ill-posed solve, else the update."""
-        return self.readout_span if facts.get("solve_well_posed") is False else self.update_span
+        """Where a checker's error points: the readout for an ill-posed or ill-conditioned solve,
+        else the update."""
+        cg = facts.get("cg") or {}
+        ill = cg.get("bounded") is False and cg.get("argument") != "not symmetric" and not self.allow_ill_conditioned
+        return self.readout_span if facts.get("solve_well_posed") is False or ill else self.update_span
 
     def expressions(self) -> tuple:
         """(expression, span) of every per-token expression: the lets, the auxiliary states' decays
@@ -163,11 +170,20 @@ class Mixer:
         body += [self.delta.a, self.delta.c] if self.delta is not None else []
         return tuple(out + [(e, self.update_span) for e in body])
 
+    @functools.cached_property
+    def _inlined_lets(self) -> dict:
+        """Each let's symbol -> its expression with the lets it uses substituted, built once in
+        order (a let reads only earlier ones): inline_lets is then one substitution, and a chain
+        of n lets costs O(n) instead of O(n^2) per call (the witness search inlines every let)."""
+        out = {}
+        for lt in self.lets:
+            out[symbol(lt.name)] = lt.expr.xreplace(out) if out else lt.expr
+        return out
+
     def inline_lets(self, e: sp.Expr) -> sp.Expr:
-        """e with every let replaced by its expression (latest first: later lets may use earlier)."""
-        for lt in reversed(self.lets):
-            e = e.xreplace({symbol(lt.name): lt.expr})
-        return e
+        """e with every let replaced by its expression (and the lets that uses, all the way down)."""
+        sub = self._inlined_lets
+        return sp.sympify(e).xreplace(sub) if sub else e
 
     def log_decay(self) -> sp.Expr:
         """log d: the chunked kernels cumulate decays in log space."""

@@ -29,7 +29,7 @@ RESERVED = {"S", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
             "atk", "atq", "online", "offline", "scale", "initial_state", "output_final_state",
             "cu_seqlens", "self", "mixer_name", "torch", "triton", "tl", "math", "inputs"}
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}\Z")
-ALLOWS = {"unstable"}
+ALLOWS = {"unstable", "ill_conditioned"}
 
 
 def check_name(name: str, span, what: str = "name") -> None:
@@ -430,7 +430,8 @@ def lower(spec: Spec) -> ir.Mixer:
             readout = st
         elif isinstance(st, Allow):
             if st.what not in ALLOWS:
-                raise SpecError(f"unknown allowance '{st.what}'; the one allowance is `allow unstable`", st.span)
+                raise SpecError(f"unknown allowance '{st.what}'; the allowances are `allow unstable` and "
+                                "`allow ill_conditioned`", st.span)
             allow.add(st.what)
     for need, kind in (("q", "K"), ("k", "K"), ("v", "V")):
         got = next((i for i in inputs if i.name == need), None)
@@ -459,7 +460,7 @@ def lower(spec: Spec) -> ir.Mixer:
                             readout.span)
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
-                 readout_span=readout.span)
+                 readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow)
     check_constants(m, update.span)
     return m
 
@@ -546,17 +547,25 @@ def _transition(lw: Lowerer, update: Update):
     delta = None
     if outers:
         (u, e), = outers
-        left = ir.Delta(-u, sp.factor_terms(e / d), "left")
-        right = ir.Delta(sp.factor_terms(-u / d), e, "right")
-        score = lambda dl: sp.count_ops(dl.a) + sp.count_ops(dl.c)
+        vec = [lw.symbols[n] for n, k in lw.kinds.items() if k in ("K", "V")]
+
+        def per_head_in_a(dl):
+            # per-head numbers commute: (I - k (beta k)^T) is (I - (beta k) k^T); keep them in a.
+            # Done before the two orders are compared: a constant in front of the transition
+            # divides c in the left order, and must not make the right one, with its D^-1, win
+            coeff, rest = sp.Mul(dl.c).as_independent(*vec, as_Add=False)
+            return ir.Delta(sp.factor_terms(dl.a * coeff), rest, dl.order) if coeff != 1 else dl
+
+        left = per_head_in_a(ir.Delta(-u, sp.factor_terms(e / d), "left"))
+        right = per_head_in_a(ir.Delta(sp.factor_terms(-u / d), e, "right"))
+        # an order whose a or c divides by a per-channel decay (exp(-g)) computes D^-1, which
+        # overflows where the decay underflows (g = -120: nan in every path) although M is finite
+        # (where both orders do, lrdsl.compile refuses the spec: inverse_decay_error)
+        inverse = lambda dl: any(_divides_by_decay(x, d, lw.kinds) for x in (dl.a, dl.c))
+        score = lambda dl: (inverse(dl), sp.count_ops(dl.a) + sp.count_ops(dl.c))
         delta = left if score(left) <= score(right) else right
         if decay.kind != "diagonal":  # a scalar D commutes: one canonical order
             delta = ir.Delta(delta.a, delta.c, "left")
-        # per-head numbers commute too: (I - k (beta k)^T) is (I - (beta k) k^T); keep them in a
-        vec = [lw.symbols[n] for n, k in lw.kinds.items() if k in ("K", "V")]
-        coeff, rest = sp.Mul(delta.c).as_independent(*vec, as_Add=False)
-        if coeff != 1:
-            delta = ir.Delta(sp.factor_terms(delta.a * coeff), rest, delta.order)
     writes = _combine(list(val.writes), lw, span, "write")
     if not writes:
         raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
@@ -564,6 +573,33 @@ def _transition(lw: Lowerer, update: Update):
     vsyms = [lw.symbols[n] for n, k in lw.kinds.items() if k == "V"]
     coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
     return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart)
+
+
+def _divides_by_decay(x, d, kinds: dict) -> bool:
+    """x has a per-channel input of the decay d in its denominator (exp(-g) counts as 1/exp(g))."""
+    channel = {s for s in d.free_symbols if kinds.get(str(s)) == "K"}
+    if not channel:
+        return False
+    return bool(sp.fraction(sp.together(x))[1].free_symbols & channel)
+
+
+def inverse_decay_error(m: ir.Mixer):
+    """(message, span) where the transition reads as (I - a c^T) D or D (I - a c^T) only with
+    D^-1 in a or c (M = diag(exp(g)) - beta k k^T: c = k exp(-g)), else None. Every path computes
+    a and c as written, so exp(-g) overflows where the decay underflows (g = -120: nan) although M
+    is finite; lrdsl.compile refuses such a spec. The checker still reasons about its M (the symmetric
+    form D - x y^T), which is why lowering keeps it."""
+    dl = m.delta
+    if dl is None or m.decay.kind != "diagonal":
+        return None
+    kinds = m.kinds()
+    if not any(_divides_by_decay(m.inline_lets(x), m.inline_lets(m.decay.value), kinds) for x in (dl.a, dl.c)):
+        return None
+    form = "(I - a c^T) D" if dl.order == "left" else "D (I - a c^T)"
+    return (f"this transition reads as {form} only with the decay's inverse in a or c (D = {m.decay.value}, "
+            f"a = {dl.a}, c = {dl.c}), which overflows where the decay underflows (nan at g = -120), and neither "
+            "order avoids it; write the erase beside the decay it multiplies, e.g. "
+            "(I - beta k k^T) diag(exp(g)) S or diag(exp(g)) (I - beta k k^T) S", m.update_span)
 
 
 def _combine(pairs, lw, span, what):

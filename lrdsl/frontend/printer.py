@@ -124,6 +124,8 @@ def explicit(m: ir.Mixer) -> str:
         lines.append(f"solve offline steps {m.solve_steps}")
     if m.allow_unstable:
         lines.append("allow unstable")
+    if m.allow_ill_conditioned:
+        lines.append("allow ill_conditioned")
     return "\n".join(lines) + "\n"
 
 

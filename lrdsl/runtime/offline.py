@@ -49,9 +49,40 @@ def host_inputs(mixer, batch):
     return inputs, cu
 
 
+def refuse_singular_regulariser(m, batch) -> None:
+    """Regulariser values the kernels cannot clamp into a solvable range, refused by chunk,
+    recurrent and step (with or without check_ranges):
+    - +inf: the exact solve's limit is x = 0 (o = 0, what the reference returns), but CG from the
+      Jacobi start computes r - inf * 0 = nan there. Only a regulariser with no finite upper bound
+      can be +inf here: a finite one clamps it to that bound.
+    - lam <= 0 where lam is declared in (0, ...): the clamp puts it at the open end 0, where
+      G + diag(lam) may be singular (outputs of 7.6e8 where the limit was 6.5).
+    Only a regulariser that is itself an input or param is checked."""
+    inp = next((i for i in (*m.inputs, *m.params) if i.symbol == m.solve_lam), None)
+    if inp is None or torch.compiler.is_compiling():  # (a traced check breaks the graph)
+        return
+    x = batch.tensors[inp.name]
+    checks = []
+    if not inp.hi.is_finite:
+        checks.append((torch.isposinf(x), f"{inp.name!r} is +inf at some token: the kernels' conjugate-gradient "
+                       "solve gives nan there (the exact solve's limit is an output of 0); pass finite values, or "
+                       f"declare a finite upper bound for {inp.name!r}, which clamps it there"))
+    if inp.lo == 0 and inp.lo_open:
+        checks.append((x <= 0, f"{inp.name!r} is at or below 0 at some token, outside its declared range (0, ...): "
+                       "clamped to 0 the solve may be singular; pass positive values, or declare a positive lower "
+                       f"bound for {inp.name!r}, which clamps it there"))
+    for bad, what in checks:
+        if x.device.type == "cpu":
+            if bool(bad.any()):
+                raise InputError(what)
+        else:
+            torch._assert_async(~bad.any(), what)  # no host synchronisation
+
+
 def recurrent(mixer, batch):
     """mixer.recurrent for an offline-solve mixer: (o, MixerState or None)."""
     m = mixer.ir
+    refuse_singular_regulariser(m, batch)
     inputs, cu = host_inputs(mixer, batch)
     o, final = mixer.kernels.recurrent_fwd(inputs, batch.scale, state_in(m, batch), batch.output_final_state, cu)
     return o, (state_out(m, *final) if batch.output_final_state else None)
@@ -66,6 +97,7 @@ def step(mixer, q, k, v, state, scale, inputs):
                          "decoding must carry: pass state=lrdsl.MixerState(S, {\"G\": G, ...}) "
                          "(mixer.zero_state(...) to start, or the final state of chunk(..., output_final_state=True))")
     batch = mixer._validate(q, k, v, inputs, scale, state, True, None)
+    refuse_singular_regulariser(m, batch)
     parts = [batch.initial_state, batch.initial_gram, *(batch.initial_aux or ())]
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in parts):
         raise InputError("step() updates the state in place: S, G and every auxiliary state must be contiguous "
@@ -87,6 +119,7 @@ def chunk(mixer, batch):
     input and every part of the initial whole state (S, G, auxiliary states), from o and every
     part of the final whole state."""
     m = mixer.ir
+    refuse_singular_regulariser(m, batch)
     inputs, cu = host_inputs(mixer, batch)
     names = list(inputs)
     tensors = [batch.tensors[n] for n in names]

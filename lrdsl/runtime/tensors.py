@@ -225,15 +225,16 @@ def assert_in_ranges(mixer: ir.Mixer, b: Batch) -> None:
             continue
         x = b.tensors[i.name]
         ok = torch.ones_like(x, dtype=torch.bool)
+        # an open finite end is excluded (lamb = 0 in (0, inf) makes the offline solve singular);
+        # an infinite end admits +-inf, the limits (g = -inf: a hard reset)
+        lo, hi = float(i.lo), float(i.hi)
         if i.lo.is_finite:
-            ok &= ~(x < float(i.lo))
+            ok &= ~(x <= lo) if i.lo_open else ~(x < lo)
         if i.hi.is_finite:
-            ok &= ~(x > float(i.hi))
-        lo = f"{float(i.lo):g}" if i.lo.is_finite else "-inf"
-        hi = f"{float(i.hi):g}" if i.hi.is_finite else "inf"
+            ok &= ~(x >= hi) if i.hi_open else ~(x > hi)
         what = (f"{'param' if isinstance(i, ir.Param) else 'input'} {i.name!r} has values outside its declared "
-                f"range [{lo}, {hi}]: pass values inside it, or compile with check_ranges=False to have them "
-                "clamped into it without a check")
+                f"range {'(' if i.lo_open else '['}{lo:g}, {hi:g}{')' if i.hi_open else ']'}: pass values "
+                "inside it, or compile with check_ranges=False to have them clamped into it without a check")
         if x.device.type == "cpu":
             if not bool(ok.all()):
                 raise InputError(what)
