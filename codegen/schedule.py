@@ -32,8 +32,29 @@ def _staged_forward(plan: Plan) -> tuple:
 
 
 def _staged_backward(plan: Plan) -> tuple:
-    """Templates of the staged backward's kernels (plan.staged_backward), in the module's order."""
+    """Templates of the staged backward's kernels (plan.staged_backward), in the module's order.
+
+    Rendered by chunk_staged.py.jinja for now (before staged_host.py.jinja, whose autotuned
+    wrappers name these kernels), so none is listed here yet: _bwd_templates lists them."""
     return ()
+
+
+def _bwd_templates(plan: Plan) -> tuple:
+    """The staged backward's templates: stage 1 (staged_dq), 2 (staged_dstate), 3 (staged_dk, after
+    staged_de where plan.split_dk and staged_dr where plan.split_dr), with a decay per key channel 4
+    (staged_pair), then the host function. A form of a kernel other than the decay-per-head one
+    is a template that fills the blocks of that kernel's file (the `_key` and `_split` ones)."""
+    if not plan.staged_backward:
+        return ()
+    if plan.decay_kind == "diagonal":
+        return ("staged_bwd_dq_key.py.jinja", "staged_bwd_dstate.py.jinja", "staged_bwd_dk_key.py.jinja",
+                "staged_bwd_pair.py.jinja", "staged_bwd_host_key.py.jinja")
+    stage3 = ("staged_bwd_dk.py.jinja",)
+    if plan.split_dr:
+        stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dr.py.jinja", "staged_bwd_dk_split.py.jinja")
+    elif plan.split_dk:
+        stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dk.py.jinja")
+    return ("staged_bwd_dq.py.jinja", "staged_bwd_dstate.py.jinja", *stage3, "staged_bwd_host.py.jinja")
 
 
 def kernel_templates(plan: Plan) -> tuple:
