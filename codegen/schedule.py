@@ -53,7 +53,7 @@ def _bwd_templates(plan: Plan) -> tuple:
     if plan.split_dr:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dr.py.jinja", "staged_bwd_dk_split.py.jinja")
     elif plan.split_dk:
-        stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dk.py.jinja")
+        stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dk_de.py.jinja")
     return ("staged_bwd_dq.py.jinja", "staged_bwd_dstate.py.jinja", *stage3, "staged_bwd_host.py.jinja")
 
 
