@@ -27,8 +27,219 @@ def _general(plan: Plan) -> tuple:
 
 
 def _staged_forward(plan: Plan) -> tuple:
-    """Templates of the staged forward's kernels (plan.staged), in the module's order."""
-    return ("chunk_staged.py.jinja",)
+    """Templates of the staged forward's kernels (plan.staged), in the module's order: the per-token
+    vectors and the helpers on raw tiles the plan takes, then one template per stage (1 the solve,
+    or with plan.solve_wy_fused the solve and WY stages in one; 1b the inverse with
+    plan.split_solve; 2 WY with an erase; 3 the state pass; 4 the output). Each is a straight
+    kernel; where a role has forms, _fwd_holes names the plan's (docs/kernels/forward.md).
+
+    With plan.rank2 and no staged forward: the vectors and the native rank-2 forward."""
+    if not plan.staged:
+        return _fwd_vectors(plan) + ("staged_rank2.py.jinja",) if plan.rank2 else ()
+    diag = plan.decay_kind == "diagonal"
+    out = list(_fwd_vectors(plan))
+    if plan.raw_value:
+        out.append("staged_fwd_raw_value.py.jinja")
+    if _fwd_factors(plan):
+        out.append("staged_fwd_factors.py.jinja")
+    if plan.raw or plan.raw_qk_output:
+        out.append("staged_fwd_raw_output.py.jinja")
+    if plan.raw:
+        out.append("staged_fwd_raw_write.py.jinja")
+    if plan.decay_prefix:
+        out.append("staged_fwd_prefix.py.jinja")
+    if plan.solve_wy_fused:
+        out.append("staged_solve_wy.py.jinja")
+    elif diag:
+        out += ["staged_solve_blocks.py.jinja", "staged_fwd_solve.py.jinja"]
+    elif plan.delta:
+        out += ["staged_fwd_lower_inverse.py.jinja", "staged_fwd_solve.py.jinja"]
+    if plan.split_solve:
+        out.append("staged_fwd_inverse.py.jinja")
+    if plan.delta:
+        out.append("staged_wy.py.jinja")
+    out += ["staged_fwd_state.py.jinja", "staged_fwd_output.py.jinja"]
+    # renders the staged backward's templates and staged_host.py.jinja until their schedule
+    # functions list them
+    out.append("chunk_staged.py.jinja")
+    return tuple(out)
+
+
+def _fwd_vectors(plan: Plan) -> tuple:
+    """The per-token vectors of the staged kernels (the staged forward's and the native rank-2
+    forward's), with a decay per key channel the log-decays' sums on tensor cores."""
+    sums = ("staged_fwd_token_sums.py.jinja",) if plan.decay_kind == "diagonal" else ()
+    return ("staged_vectors.py.jinja",) + sums
+
+
+@dataclass(frozen=True)
+class _FwdFactor:
+    """One per-token number of an input that is a tile times a number (staged_fwd_factors)."""
+    name: str  # the helper's name
+    raw: object  # the input (plan.Raw)
+    what: str  # what the number is, for the helper's comment
+    with_norm: bool  # the helper applies the input's normaliser 1/||x|| itself
+
+
+def _fwd_factors(plan: Plan) -> tuple:
+    """The per-token numbers the staged kernels take from helpers of their own: the write key's
+    (plan.raw_key; with plan.raw_wy two, the key's and the erase read's, without the normaliser,
+    which the WY stage makes from the tile it holds) and, for the backward, the query's."""
+    out = []
+    if plan.raw_wy:
+        out += [_FwdFactor("_wy_key_number", plan.raw_key, "plan.raw_key's write key u", False),
+                _FwdFactor("_wy_erase_number", plan.raw_wy[0], "plan.raw_wy's erase read c", False)]
+    elif plan.raw_key:
+        out.append(_FwdFactor("_key_factor", plan.raw_key, "plan.raw_key's write key u", plan.raw_key.norm))
+    if plan.raw_query and plan.staged_backward:
+        out.append(_FwdFactor("_query_factor", plan.raw_query, "plan.raw_query's query r (before the scale)",
+                              plan.raw_query.norm))
+    return tuple(out)
+
+
+def _fwd_holes(plan: Plan) -> dict:
+    """The staged forward templates' named holes, decided once per plan: Triton text (argument
+    lists, a statement where the plan has it, "" where not), numbers, and the names of the
+    staged_fwd_macros.jinja macros (one per form of a kernel's part) the plan takes."""
+    diag = plan.decay_kind == "diagonal"
+    decays = plan.decay_kind != "identity"
+    keys_in_solve = diag and not plan.delta
+    va = plan.vector_args
+    nonfinite = plan.causal_nonfinite
+    value_tile = "_raw_v" if plan.raw_value else "_staged_v"
+    fo = "fo_ptr, " if plan.output_factors else ""
+    if plan.raw:
+        raw_key, raw_query = plan.raw[0], plan.raw[2]
+        write_factor = f"{plan.raw[0].factor} * {plan.raw[1].factor}"
+    else:
+        raw_key, raw_query = plan.raw_key, plan.raw_query
+        write_factor = plan.raw_key.factor if plan.raw_key else ""
+    if (plan.delta and decays) or plan.decay_prefix:  # the state pass loads G_end a chunk ahead
+        if diag:
+            g_first = "g_next = tl.load(g_ptr + (c0 * HV + i_hv) * K + o_k, mask=m_k & (n_t > 0), other=0)"
+            g_next = "g_next = tl.load(g_ptr + ((c0 + tl.minimum(i_t + 1, n_t - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0)"
+        else:
+            g_first = "g_next = tl.load(g_ptr + (tl.minimum(bos + BT, eos) - 1) * HV + i_hv, mask=n_t > 0, other=0)"
+            g_next = "g_next = tl.load(g_ptr + (tl.minimum(bos + i_t * BT + 2 * BT, eos) - 1) * HV + i_hv)"
+        state_g_first, state_g_next = "    " + g_first, "        g_end = g_next\n        " + g_next
+    else:
+        state_g_first = state_g_next = ""
+    if plan.delta:
+        state_write = "state_erase_raw_key" if plan.raw_key else "state_erase_keys"
+    else:
+        state_write = "state_raw" if plan.raw else "state_own_keys"
+    split_k = plan.state_split_k
+    if diag:
+        own_keys_decayed = ("        g_end = tl.sum(b_gl, 0)\n"
+                            "        b_kg = (b_u * tl.exp(g_end[None, :] - tl.cumsum(b_gl, 0))).to(DT)")
+    elif decays:
+        own_keys_decayed = ("        g_end = tl.sum(b_gl, 0)\n"
+                            "        b_kg = (b_u * tl.exp(g_end - tl.cumsum(b_gl, 0))[:, None]).to(DT)")
+    else:
+        own_keys_decayed = "        b_kg = b_u.to(DT)"
+    raw_write_rows = []
+    raw_write_decay = "    g_end = 0.0  # no decay (the only other kind here)"
+    if plan.decay_kind == "constant":
+        raw_write_decay = "\n".join(filter(None, [
+            "    # one log-decay per head: G_end - G_t = (n_t - 1 - t) log d",
+            "    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
+            f"    lg = {plan.log_decay}",
+            "    b_d = tl.exp(lg * tl.maximum(n_t - 1 - o_t, 0).to(tl.float32))",
+            "    g_end = lg * n_t.to(tl.float32)"]))
+        raw_write_rows.append("b_d")
+    if plan.raw and plan.raw_write_factor:
+        raw_write_rows.append("f_t")
+    if plan.raw_qk_output:
+        output_products = "output_raw_qk"
+    elif plan.raw:
+        output_products = "output_raw"
+    else:
+        output_products = "output_diagonal" if diag else "output_dense"
+    if diag:
+        wy_keys = "wy_keys_diagonal"
+    elif decays:
+        wy_keys = "wy_keys_decay_raw_key" if plan.raw_key else "wy_keys_decay"
+    else:
+        wy_keys = "wy_keys_raw_key" if plan.raw_key else "wy_keys_plain"
+    flag = ('    if not (tl.abs(chk) < float("inf")):\n'
+            "        tl.store(dirty_ptr + i_all * HV + i_hv, 1)")
+    output_factor = "  # the output stage's (plan.output_factors)"
+    return dict(
+        decays=decays,
+        keys_in_solve=keys_in_solve,
+        blocks=plan.staged_chunk // plan.staged_sub,
+        head_index="    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
+        erase_c=plan.erase_c if plan.delta else "0.0",
+        log_decays=(f"tl.where(m_tk, {plan.log_decay}, 0.0)" if diag else
+                    f"tl.sum(tl.where(m_t[:, None], {plan.log_decay if decays else '0.0'}, 0.0), 1)"),
+        token_log_decay=plan.log_decay if decays else "0.0",
+        value_tile=value_tile,
+        # raw tiles (plan.raw, plan.raw_qk_output)
+        raw_key=raw_key,
+        raw_query=raw_query,
+        write_factor=write_factor,
+        output_factor_arg=fo,
+        output_factor_load="    f_w = tl.load(fo_ptr + rows * HV + i_hv, mask=m_t, other=0)" if plan.raw_qk_output else "",
+        query_norm_in_loop=bool(plan.raw_qk_output and raw_query.norm),
+        output_scalars="_, f_q, gl" if plan.raw_qk_output else "f_w, f_q, gl",
+        output_decays=("    b_G = tl.cumsum(gl, 0)\n"
+                       "    b_o = b_o * (f_q * tl.exp(b_G))[:, None]\n"
+                       "    b_P *= tl.exp(tl.minimum(b_G[:, None] - b_G[None, :], 0.0))") if decays
+        else "    b_o = b_o * f_q[:, None]",
+        prefix_args="b_G, g_end, " if plan.decay_prefix else "",
+        raw_write_decay=raw_write_decay,
+        raw_write_rows=" * ".join(raw_write_rows),
+        # stage 1
+        solve_args=(f"{va}, {'a_ptr' if plan.split_solve else 'ai_ptr'}, p_ptr, "
+                    f"{'kg_ptr, g_ptr, ' if keys_in_solve else ''}exact_ptr, chunk_indices_ptr, "
+                    "chunk_offsets_ptr, cu_seqlens_ptr, scale, T"),
+        solve_body="solve_diagonal" if diag else "solve_scalar",
+        solve_pairs=(("A", "b_cd"), ("P", "b_rd")) if plan.delta else (("P", "b_rd"),),
+        solve_g_init="    g_before = 0.0" if decays else "",
+        first_bad_min="    first_bad = tl.min(first_bad)" if nonfinite else "",
+        # stage 2
+        wy_form="raw" if plan.raw_wy else "dense",
+        wy_keys=wy_keys,
+        wy_redo_keys="wy_redo_keys_diagonal" if diag else "wy_redo_keys",
+        wy_redo_decay="    b_ck = b_ck * tl.exp(tl.cumsum(b_gl, 0))[:, None]" if decays else "",
+        wy_output_factor=f"    tl.store(fo_ptr + rows * HV + i_hv, b_f, mask=m_t){output_factor}" if fo else "",
+        wy_check_early="        chk = tl.sum(b_ai.to(tl.float32)) + tl.sum(b_z0)" if nonfinite else "",
+        wy_check_late="        chk = tl.sum(b_ai.to(tl.float32))" if nonfinite else "",
+        wy_check_c=("    chk += tl.sum(b_c)  # not finite where c or G is (a log-decay, or past fp16's range in "
+                    "_token_sums)") if nonfinite else "",
+        wy_check_z="        chk += tl.sum(b_z)" if nonfinite else "",
+        wy_flag=flag if nonfinite else "",
+        wy_norm=("    f_n = tl.rsqrt(n2 + 1e-6)\n    f_u, f_c = f_u * f_n, f_c * f_n"
+                 if plan.raw_wy and plan.raw_wy[0].norm else ""),
+        wy_raw_decays="wy_raw_decays" if decays else "nothing",
+        fused_output_factor=f"    tl.store(fo_ptr + rows * HV + i_hv, f_u, mask=m_t){output_factor}" if fo else "",
+        fused_x_blocks="    b_X = tl.where(o_t[None, :] // BS > o_t[:, None] // BS, 0.0, b_X)" if nonfinite else "",
+        # stage 3
+        state_params=" KEYS_GIVEN: tl.constexpr," * keys_in_solve + " BKS: tl.constexpr," * split_k,
+        state_programs=("i_v, i_nh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)" if split_k
+                        else "i_v, i_nh = tl.program_id(0), tl.program_id(1)"),
+        state_keys="i_k * BKS + tl.arange(0, BKS)" if split_k else "tl.arange(0, BK)",
+        state_rows="BKS" if split_k else "BK",
+        state_g_first=state_g_first,
+        state_g_next=state_g_next,
+        state_write=state_write,
+        state_decay="        b_h *= tl.exp(g_end)[:, None]" if diag else "        b_h *= tl.exp(g_end)" if decays else "",
+        state_key_operand="b_kt" if plan.raw or plan.raw_key else "tl.trans(b_kg)",
+        prefix_call_args="tl.load(g_ptr + rows * HV + i_hv, mask=m_t, other=0), g_end, " if plan.decay_prefix else "",
+        own_keys_indent=4 if keys_in_solve else 0,
+        own_keys_call=(f"_staged_k_at({va}, rows, m_t, i_h, i_hv, scale, i_k * BKS, H, HV, K, BKS)" if split_k
+                       else f"_staged_k({va}, rows, m_t, i_h, i_hv, scale, H, HV, K, BK)"),
+        own_keys_decayed=own_keys_decayed,
+        # stage 4
+        output_args=(f"{va}, e_ptr, hs_ptr, p_ptr, {fo}o_ptr, chunk_indices_ptr, chunk_offsets_ptr, "
+                     "cu_seqlens_ptr, scale, T"),
+        output_dirty_arg=" dirty_ptr," if plan.output_dirty_branch else "",
+        output_products=output_products,
+        output_values=("    b_e = tl.load(e_ptr + p_tv, mask=m_tv, other=0)" if plan.delta else
+                       f"    b_e = {value_tile}({va}, rows, m_t, o_v, m_v, i_h, i_hv, H, HV, V).to(DT)"),
+        output_pairs_dot=("_dirty_dot(b_P.to(DT), b_e, o_t, dirty_ptr + i_all * HV + i_hv)" if plan.output_dirty_branch
+                          else "_token_dot(b_P.to(DT), b_e, o_t, CAUSAL)"),
+    )
 
 
 def _staged_backward(plan: Plan) -> tuple:
