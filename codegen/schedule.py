@@ -33,9 +33,9 @@ def _staged_forward(plan: Plan) -> tuple:
     plan.split_solve; 2 WY with an erase; 3 the state pass; 4 the output). Each is a straight
     kernel; where a role has forms, _fwd_holes names the plan's (docs/kernels/forward.md).
 
-    With plan.rank2 and no staged forward: the vectors and the native rank-2 forward."""
+    With plan.rank2 and no staged forward: the native rank-2 forward and its helpers."""
     if not plan.staged:
-        return _fwd_vectors(plan) + ("staged_rank2.py.jinja",) if plan.rank2 else ()
+        return _fwd_rank2_parts(plan) + ("staged_rank2.py.jinja",) if plan.rank2 else ()
     diag = plan.decay_kind == "diagonal"
     out = list(_fwd_vectors(plan))
     if plan.raw_value:
@@ -70,6 +70,14 @@ def _fwd_vectors(plan: Plan) -> tuple:
     forward's), with a decay per key channel the log-decays' sums on tensor cores."""
     sums = ("staged_fwd_token_sums.py.jinja",) if plan.decay_kind == "diagonal" else ()
     return ("staged_vectors.py.jinja",) + sums
+
+
+def _fwd_rank2_parts(plan: Plan) -> tuple:
+    """The native rank-2 forward's helpers: the vectors and, with a decay per key channel, its
+    diagonal blocks. (staged_rank2.py.jinja renders them itself while kernel_templates lists it
+    alone.)"""
+    blocks = ("staged_fwd_rank2_diagonal.py.jinja",) if plan.decay_kind == "diagonal" else ()
+    return _fwd_vectors(plan) + blocks
 
 
 @dataclass(frozen=True)
@@ -237,6 +245,8 @@ def _fwd_holes(plan: Plan) -> dict:
         output_products=output_products,
         output_values=("    b_e = tl.load(e_ptr + p_tv, mask=m_tv, other=0)" if plan.delta else
                        f"    b_e = {value_tile}({va}, rows, m_t, o_v, m_v, i_h, i_hv, H, HV, V).to(DT)"),
+        # the native rank-2 forward's pairwise sums
+        rank2_pairs="pairs_by_blocks" if diag else "pairs_whole",
         output_pairs_dot=("_dirty_dot(b_P.to(DT), b_e, o_t, dirty_ptr + i_all * HV + i_hv)" if plan.output_dirty_branch
                           else "_token_dot(b_P.to(DT), b_e, o_t, CAUSAL)"),
     )
