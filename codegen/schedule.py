@@ -17,8 +17,23 @@ class Launch:
     """One kernel launch of a host function."""
     role: str  # what it makes: "solve", "wy", "state", "output", "dstate", "dk", ...
     variant: str  # which form of that role this plan takes ("" where there is one)
-    template: str  # the template file that defines the kernel
+    template: str  # the template the module renders for it (a variant's fills the blocks of the kernel's file)
     kernel: str  # the kernel's name in the generated module
+    # the autotuned wrapper the host function calls ("": it launches the kernel itself), its
+    # configs (Python text of _space calls, staged_host.py.jinja), the pointer arguments its timed
+    # launches put back (it updates them in place), and whether it keys on sequences x heads too
+    wrapper: str = ""
+    space: str = ""
+    restores: tuple = ()
+    seq_keyed: bool = False
+
+    @property
+    def autotune_args(self) -> str:
+        """triton.autotune's keyword arguments besides the configs, as Python text."""
+        keys = "**_SEQ_KEYED" if self.seq_keyed else "**_AUTOTUNE"
+        if self.restores:
+            keys += ", **_restoring(" + ", ".join(f'"{n}"' for n in self.restores) + ")"
+        return keys
 
 
 def _general(plan: Plan) -> tuple:
@@ -112,7 +127,6 @@ def _fwd_holes(plan: Plan) -> dict:
     diag = plan.decay_kind == "diagonal"
     decays = plan.decay_kind != "identity"
     keys_in_solve = diag and not plan.delta
-    nb = plan.staged_chunk // plan.staged_sub  # 16-token blocks per chunk
     va = plan.vector_args
     nonfinite = plan.causal_nonfinite
     value_tile = "_raw_v" if plan.raw_value else "_staged_v"
@@ -146,31 +160,18 @@ def _fwd_holes(plan: Plan) -> dict:
                             "        b_kg = (b_u * tl.exp(g_end - tl.cumsum(b_gl, 0))[:, None]).to(DT)")
     else:
         own_keys_decayed = "        b_kg = b_u.to(DT)"
-    # _raw_write: k^T's columns scaled by exp(G_end - G) (plan.decay_prefix), or the value rows by
-    # a constant decay's and the write's per-token factors
-    raw_write_factor = raw_write_rows = ""
-    if plan.decay_prefix:
-        raw_write_decay = (f"    f_w, _, _ = _raw_scalars({va}, rows, m_t, i_h, i_hv, H, HV)\n"
-                           "    b_kt = (b_kt * (f_w * tl.exp(g_end - b_G))[None, :]).to(DT)")
-    else:
-        rows_scale = []
-        raw_write_decay = "    g_end = 0.0  # no decay (the only other kind here)"
-        if plan.decay_kind == "constant":
-            raw_write_decay = "\n".join(filter(None, [
-                "    # one log-decay per head: G_end - G_t = (n_t - 1 - t) log d",
-                "    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
-                f"    lg = {plan.log_decay}",
-                "    b_d = tl.exp(lg * tl.maximum(n_t - 1 - o_t, 0).to(tl.float32))",
-                "    g_end = lg * n_t.to(tl.float32)"]))
-            rows_scale.append("b_d")
-        if plan.raw and plan.raw_write_factor:
-            raw_write_factor = ("    # the write's factor moved from a [1, BT] row to the value tile's rows, within a warp\n"
-                                f"    f_w = _raw_token_row({va}, rows[None, :], m_t[None, :], i_h, i_hv, H, HV)\n"
-                                "    f_t = tl.sum(tl.where(o_t[None, :] == o_t[:, None], f_w, 0.0), 1)")
-            rows_scale.append("f_t")
-        if rows_scale:
-            raw_write_rows = f"    b_v = (b_v * ({' * '.join(rows_scale)})[:, None]).to(DT)"
-    query_norm = bool(plan.raw_qk_output and raw_query.norm)  # its squared norms: q q^T's diagonal
+    raw_write_rows = []
+    raw_write_decay = "    g_end = 0.0  # no decay (the only other kind here)"
+    if plan.decay_kind == "constant":
+        raw_write_decay = "\n".join(filter(None, [
+            "    # one log-decay per head: G_end - G_t = (n_t - 1 - t) log d",
+            "    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
+            f"    lg = {plan.log_decay}",
+            "    b_d = tl.exp(lg * tl.maximum(n_t - 1 - o_t, 0).to(tl.float32))",
+            "    g_end = lg * n_t.to(tl.float32)"]))
+        raw_write_rows.append("b_d")
+    if plan.raw and plan.raw_write_factor:
+        raw_write_rows.append("f_t")
     if plan.raw_qk_output:
         output_products = "output_raw_qk"
     elif plan.raw:
@@ -189,11 +190,7 @@ def _fwd_holes(plan: Plan) -> dict:
     return dict(
         decays=decays,
         keys_in_solve=keys_in_solve,
-        blocks=nb,
-        # the solve's diagonal blocks: X's and A's (arguments), the inverses a helper returns
-        diagonal_x=", ".join(f"b_X{i}{i}" for i in range(nb)),
-        diagonal_a="".join(f"b_A{i}{i}, " for i in range(nb)),
-        block_inverses=", ".join(f"b_X{i} + eye" for i in range(nb)),
+        blocks=plan.staged_chunk // plan.staged_sub,
         head_index="    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
         erase_c=plan.erase_c if plan.delta else "0.0",
         log_decays=(f"tl.where(m_tk, {plan.log_decay}, 0.0)" if diag else
@@ -206,10 +203,7 @@ def _fwd_holes(plan: Plan) -> dict:
         write_factor=write_factor,
         output_factor_arg=fo,
         output_factor_load="    f_w = tl.load(fo_ptr + rows * HV + i_hv, mask=m_t, other=0)" if plan.raw_qk_output else "",
-        query_norm_init="    b_Q = tl.zeros([BT, BT], dtype=tl.float32)" if query_norm else "",
-        query_norm_dot='        b_Q = tl.dot(b_q, tl.trans(b_q), b_Q, input_precision="tf32")' if query_norm else "",
-        query_norm_scale=("    f_q = f_q * tl.rsqrt(tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_Q, 0.0), 1) + 1e-6)"
-                          if query_norm else ""),
+        query_norm_in_loop=bool(plan.raw_qk_output and raw_query.norm),
         output_scalars="_, f_q, gl" if plan.raw_qk_output else "f_w, f_q, gl",
         output_decays=("    b_G = tl.cumsum(gl, 0)\n"
                        "    b_o = b_o * (f_q * tl.exp(b_G))[:, None]\n"
@@ -217,8 +211,7 @@ def _fwd_holes(plan: Plan) -> dict:
         else "    b_o = b_o * f_q[:, None]",
         prefix_args="b_G, g_end, " if plan.decay_prefix else "",
         raw_write_decay=raw_write_decay,
-        raw_write_factor=raw_write_factor,
-        raw_write_rows=raw_write_rows,
+        raw_write_rows=" * ".join(raw_write_rows),
         # stage 1
         solve_args=(f"{va}, {'a_ptr' if plan.split_solve else 'ai_ptr'}, p_ptr, "
                     f"{'kg_ptr, g_ptr, ' if keys_in_solve else ''}exact_ptr, chunk_indices_ptr, "
@@ -310,3 +303,96 @@ def kernel_templates(plan: Plan) -> tuple:
     elif plan.rank2:
         out.append("staged_rank2.py.jinja")
     return tuple(dict.fromkeys(out))
+
+
+def forward(plan: Plan) -> tuple:
+    """The staged forward's launches (plan.staged), in the order its host functions make them:
+    the solve (with plan.solve_wy_fused the solve and WY stages in one), the inverse
+    (plan.split_solve), WY (an erase), the log-decay prefix (plan.decay_prefix), the state pass and
+    the output stage. Why each tuning space: docs/kernels/host.md."""
+    if not plan.staged:
+        return ()
+    diag = plan.decay_kind == "diagonal"
+    out = []
+    if plan.solve_wy_fused:
+        out.append(Launch("solve", "wy fused", "staged_solve_wy.py.jinja", "staged_solve_wy_kernel", "staged_solve_wy",
+                          "_space([128], [4], [1], maxnreg=168) + _space([128], [4], [1]) "
+                          "+ _space([64], [4], [2], maxnreg=168)", ("dirty_ptr",)))
+    elif plan.delta or diag:
+        out.append(Launch("solve", "key" if diag else "", "staged_fwd_solve.py.jinja", "staged_solve_kernel",
+                          "staged_solve", f"_space(None, {'[4, 8]' if diag else '[1]'}, [1])", ("exact_ptr",)))
+    if plan.split_solve:
+        out.append(Launch("inverse", "", "staged_fwd_inverse.py.jinja", "staged_inverse_kernel", "staged_inverse",
+                          "_space(None, [1], [1]) + _space(None, [1], [1], maxnreg=128)"))
+    if plan.delta:
+        if diag:
+            variant, space = "key", ('_space(None, [8], [2], tiles=[{"BV": 128, "EARLY": True}], maxnreg=128) '
+                                     '+ _space(None, [8], [2], tiles=[{"BV": 128, "EARLY": True}])')
+        elif plan.raw_wy:
+            variant, space = "raw", "_space([128], [8], [2], maxnreg=80) + _space([32], [4], [2])"
+        else:
+            variant, space = "", ('_space(None, [4], [2], tiles=[{"BV": 64, "EARLY": False}]) '
+                                  '+ _space(None, [8], [2], tiles=[{"BV": 128, "EARLY": True}], maxnreg=128)')
+        out.append(Launch("wy", variant, "staged_wy.py.jinja", "staged_wy_kernel", "staged_wy", space, ("dirty_ptr",)))
+    if plan.decay_prefix:
+        out.append(Launch("prefix", "", "staged_fwd_prefix.py.jinja", "staged_prefix_kernel"))
+    if plan.state_split_k:
+        state = ("split k", '_space(None, [4], [3, 4], tiles=[{"BV": 64, "BKS": 64}, {"BV": 32, "BKS": 64}, '
+                            '{"BV": 128, "BKS": 64}, {"BV": 64, "BKS": 32}])')
+    else:
+        state = ("", "_space([32], [4], [2, 3, 4]) + _space([64], [4], [3, 4])")
+    out.append(Launch("state", state[0], "staged_fwd_state.py.jinja", "staged_state_kernel", "staged_state", state[1],
+                      seq_keyed=True))
+    raw = bool(plan.raw or plan.raw_qk_output)
+    out.append(Launch("output", "raw" if raw else "", "staged_fwd_output.py.jinja", "staged_output_kernel",
+                      "staged_output", f"_space([64, 128], [4], [{3 if raw else 2}])"))
+    return tuple(out)
+
+
+def backward(plan: Plan) -> tuple:
+    """The staged backward's launches (plan.staged_backward), in order: stage 1 (staged_dq), 2
+    (staged_dstate; staged_dstate_fp32 is its autotuner for fp32 intermediates), 3 (staged_dk, after
+    staged_de with plan.split_dk and staged_dr with plan.split_dr) and, with a decay per key
+    channel, 4 (staged_pair, launched as it is). Why each tuning space: docs/kernels/host.md."""
+    if not plan.staged_backward:
+        return ()
+    diag = plan.decay_kind == "diagonal"
+    key = "_key" if diag else ""
+    dstate_tiles = '{"BV": 32, "BKS": 64}, {"BV": 64, "BKS": 64}' if plan.dstate_split_k else ""
+    out = [
+        Launch("dq", "key" if diag else "", f"staged_bwd_dq{key}.py.jinja", "staged_dq_kernel", "staged_dq",
+               "_space([64], [8], [1, 2])" if diag else "_space([64], [4], [2])"),
+        Launch("dstate", "split k" if dstate_tiles else "", "staged_bwd_dstate.py.jinja", "staged_dstate_kernel",
+               "staged_dstate", f"_space(None, [4], [2], tiles=[{dstate_tiles}])" if dstate_tiles
+               else "_space([32], [4], [2, 3])", seq_keyed=True),
+        Launch("dstate", "fp32", "staged_bwd_dstate.py.jinja", "staged_dstate_kernel", "staged_dstate_fp32",
+               '_space(None, [4], [1], tiles=[{"BV": 32' + (', "BKS": 64' if plan.dstate_split_k else "") + "}])",
+               seq_keyed=True),
+    ]
+    if diag:
+        out.append(Launch("dk", "key", "staged_bwd_dk_key.py.jinja", "staged_dk_kernel", "staged_dk",
+                          f"_space({'[64, 128]' if plan.delta else '[64]'}, [8], [2])", ("du_ptr", "dgl_ptr")))
+        out.append(Launch("pair", "key", "staged_bwd_pair.py.jinja", "staged_pair_kernel"))
+        return tuple(out)
+    if plan.split_dk:
+        out.append(Launch("de", "", "staged_bwd_de.py.jinja", "staged_de_kernel", "staged_de",
+                          "_space([64], [4], [2]) + _space([64, 32], [8], [2])"))
+    if plan.split_dr:
+        out.append(Launch("dr", "", "staged_bwd_dr.py.jinja", "staged_dr_kernel", "staged_dr",
+                          "_space([64], [4], [2]) + _space([32], [4], [2, 3])"))
+        out.append(Launch("dk", "split dr", "staged_bwd_dk_split.py.jinja", "staged_dk_kernel", "staged_dk",
+                          "_space([64, 32], [4], [2])"))
+    elif plan.split_dk:
+        out.append(Launch("dk", "split", "staged_bwd_dk_de.py.jinja", "staged_dk_kernel", "staged_dk",
+                          "_space([64], [8], [2, 3]) + _space([32], [8], [2])"))
+    else:
+        out.append(Launch("dk", "" if plan.delta else "no erase", "staged_bwd_dk.py.jinja", "staged_dk_kernel",
+                          "staged_dk", "_space([64, 32], [8], [2])" if plan.delta
+                          else "_space([32, 64, 128], [8], [2])"))
+    return tuple(out)
+
+
+def autotuned(plan: Plan) -> tuple:
+    """The launches of the staged forward and backward that go through an autotuned wrapper, each
+    wrapper once, in the order of the module's TUNING_SPACE."""
+    return tuple(l for l in forward(plan) + backward(plan) if l.wrapper)
