@@ -127,6 +127,7 @@ def _fwd_holes(plan: Plan) -> dict:
     diag = plan.decay_kind == "diagonal"
     decays = plan.decay_kind != "identity"
     keys_in_solve = diag and not plan.delta
+    nb = plan.staged_chunk // plan.staged_sub  # 16-token blocks per chunk
     va = plan.vector_args
     nonfinite = plan.causal_nonfinite
     value_tile = "_raw_v" if plan.raw_value else "_staged_v"
@@ -160,18 +161,31 @@ def _fwd_holes(plan: Plan) -> dict:
                             "        b_kg = (b_u * tl.exp(g_end - tl.cumsum(b_gl, 0))[:, None]).to(DT)")
     else:
         own_keys_decayed = "        b_kg = b_u.to(DT)"
-    raw_write_rows = []
-    raw_write_decay = "    g_end = 0.0  # no decay (the only other kind here)"
-    if plan.decay_kind == "constant":
-        raw_write_decay = "\n".join(filter(None, [
-            "    # one log-decay per head: G_end - G_t = (n_t - 1 - t) log d",
-            "    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
-            f"    lg = {plan.log_decay}",
-            "    b_d = tl.exp(lg * tl.maximum(n_t - 1 - o_t, 0).to(tl.float32))",
-            "    g_end = lg * n_t.to(tl.float32)"]))
-        raw_write_rows.append("b_d")
-    if plan.raw and plan.raw_write_factor:
-        raw_write_rows.append("f_t")
+    # _raw_write: k^T's columns scaled by exp(G_end - G) (plan.decay_prefix), or the value rows by
+    # a constant decay's and the write's per-token factors
+    raw_write_factor = raw_write_rows = ""
+    if plan.decay_prefix:
+        raw_write_decay = (f"    f_w, _, _ = _raw_scalars({va}, rows, m_t, i_h, i_hv, H, HV)\n"
+                           "    b_kt = (b_kt * (f_w * tl.exp(g_end - b_G))[None, :]).to(DT)")
+    else:
+        rows_scale = []
+        raw_write_decay = "    g_end = 0.0  # no decay (the only other kind here)"
+        if plan.decay_kind == "constant":
+            raw_write_decay = "\n".join(filter(None, [
+                "    # one log-decay per head: G_end - G_t = (n_t - 1 - t) log d",
+                "    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
+                f"    lg = {plan.log_decay}",
+                "    b_d = tl.exp(lg * tl.maximum(n_t - 1 - o_t, 0).to(tl.float32))",
+                "    g_end = lg * n_t.to(tl.float32)"]))
+            rows_scale.append("b_d")
+        if plan.raw and plan.raw_write_factor:
+            raw_write_factor = ("    # the write's factor moved from a [1, BT] row to the value tile's rows, within a warp\n"
+                                f"    f_w = _raw_token_row({va}, rows[None, :], m_t[None, :], i_h, i_hv, H, HV)\n"
+                                "    f_t = tl.sum(tl.where(o_t[None, :] == o_t[:, None], f_w, 0.0), 1)")
+            rows_scale.append("f_t")
+        if rows_scale:
+            raw_write_rows = f"    b_v = (b_v * ({' * '.join(rows_scale)})[:, None]).to(DT)"
+    query_norm = bool(plan.raw_qk_output and raw_query.norm)  # its squared norms: q q^T's diagonal
     if plan.raw_qk_output:
         output_products = "output_raw_qk"
     elif plan.raw:
@@ -190,7 +204,11 @@ def _fwd_holes(plan: Plan) -> dict:
     return dict(
         decays=decays,
         keys_in_solve=keys_in_solve,
-        blocks=plan.staged_chunk // plan.staged_sub,
+        blocks=nb,
+        # the solve's diagonal blocks: X's and A's (arguments), the inverses a helper returns
+        diagonal_x=", ".join(f"b_X{i}{i}" for i in range(nb)),
+        diagonal_a="".join(f"b_A{i}{i}, " for i in range(nb)),
+        block_inverses=", ".join(f"b_X{i} + eye" for i in range(nb)),
         head_index="    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
         erase_c=plan.erase_c if plan.delta else "0.0",
         log_decays=(f"tl.where(m_tk, {plan.log_decay}, 0.0)" if diag else
@@ -203,7 +221,10 @@ def _fwd_holes(plan: Plan) -> dict:
         write_factor=write_factor,
         output_factor_arg=fo,
         output_factor_load="    f_w = tl.load(fo_ptr + rows * HV + i_hv, mask=m_t, other=0)" if plan.raw_qk_output else "",
-        query_norm_in_loop=bool(plan.raw_qk_output and raw_query.norm),
+        query_norm_init="    b_Q = tl.zeros([BT, BT], dtype=tl.float32)" if query_norm else "",
+        query_norm_dot='        b_Q = tl.dot(b_q, tl.trans(b_q), b_Q, input_precision="tf32")' if query_norm else "",
+        query_norm_scale=("    f_q = f_q * tl.rsqrt(tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_Q, 0.0), 1) + 1e-6)"
+                          if query_norm else ""),
         output_scalars="_, f_q, gl" if plan.raw_qk_output else "f_w, f_q, gl",
         output_decays=("    b_G = tl.cumsum(gl, 0)\n"
                        "    b_o = b_o * (f_q * tl.exp(b_G))[:, None]\n"
@@ -211,7 +232,8 @@ def _fwd_holes(plan: Plan) -> dict:
         else "    b_o = b_o * f_q[:, None]",
         prefix_args="b_G, g_end, " if plan.decay_prefix else "",
         raw_write_decay=raw_write_decay,
-        raw_write_rows=" * ".join(raw_write_rows),
+        raw_write_factor=raw_write_factor,
+        raw_write_rows=raw_write_rows,
         # stage 1
         solve_args=(f"{va}, {'a_ptr' if plan.split_solve else 'ai_ptr'}, p_ptr, "
                     f"{'kg_ptr, g_ptr, ' if keys_in_solve else ''}exact_ptr, chunk_indices_ptr, "
