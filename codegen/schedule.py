@@ -307,7 +307,7 @@ def _bwd_templates(plan: Plan) -> tuple:
     if plan.decay_kind == "diagonal":
         return ("staged_bwd_dq_key.py.jinja", "staged_bwd_dstate.py.jinja", "staged_bwd_dk_key.py.jinja",
                 "staged_bwd_pair.py.jinja", "staged_bwd_host_key.py.jinja")
-    stage3 = ("staged_bwd_dk.py.jinja",)
+    stage3 = ("staged_bwd_dk_erase.py.jinja" if plan.delta else "staged_bwd_dk.py.jinja",)
     if plan.split_dr:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dr.py.jinja", "staged_bwd_dk_split.py.jinja")
     elif plan.split_dk:
