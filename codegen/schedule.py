@@ -304,6 +304,8 @@ def _bwd_templates(plan: Plan) -> tuple:
     is a template that fills the blocks of that kernel's file (the `_key` and `_split` ones)."""
     if not plan.staged_backward:
         return ()
+    if plan.split_dk and (plan.decay_kind != "scalar" or not plan.delta):
+        raise ValueError("staged_de and its staged_dk take an erase and a scalar decay (plan.split_dk)")
     if plan.decay_kind == "diagonal":
         return ("staged_bwd_dq_key.py.jinja", "staged_bwd_dstate.py.jinja", "staged_bwd_dk_key.py.jinja",
                 "staged_bwd_pair.py.jinja", "staged_bwd_host_key.py.jinja")
@@ -313,6 +315,12 @@ def _bwd_templates(plan: Plan) -> tuple:
     elif plan.split_dk:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dk_de.py.jinja")
     return ("staged_bwd_dq.py.jinja", "staged_bwd_dstate.py.jinja", *stage3, "staged_bwd_host.py.jinja")
+
+
+def _bwd_decay(plan: Plan) -> str:
+    """The macros file of the backward's decay terms for this plan's decay (imported as `decay`)."""
+    return {"identity": "staged_bwd_decay_none.jinja", "diagonal": "staged_bwd_decay_key.jinja"}.get(
+        plan.decay_kind, "staged_bwd_decay_head.jinja")
 
 
 def kernel_templates(plan: Plan) -> tuple:
