@@ -306,8 +306,9 @@ def _bwd_templates(plan: Plan) -> tuple:
         return ()
     if plan.split_dk and (plan.decay_kind != "scalar" or not plan.delta):
         raise ValueError("staged_de and its staged_dk take an erase and a scalar decay (plan.split_dk)")
+    dstate = "staged_bwd_dstate_erase.py.jinja" if plan.delta else "staged_bwd_dstate.py.jinja"
     if plan.decay_kind == "diagonal":
-        return ("staged_bwd_dq_key.py.jinja", "staged_bwd_dstate.py.jinja", "staged_bwd_dk_key.py.jinja",
+        return ("staged_bwd_dq_key.py.jinja", dstate, "staged_bwd_dk_key.py.jinja",
                 "staged_bwd_pair_erase.py.jinja" if plan.delta else "staged_bwd_pair.py.jinja",
                 "staged_bwd_host_key.py.jinja")
     stage3 = ("staged_bwd_dk_erase.py.jinja" if plan.delta else "staged_bwd_dk.py.jinja",)
@@ -315,7 +316,7 @@ def _bwd_templates(plan: Plan) -> tuple:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dr.py.jinja", "staged_bwd_dk_split.py.jinja")
     elif plan.split_dk:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dk_de.py.jinja")
-    return ("staged_bwd_dq.py.jinja", "staged_bwd_dstate.py.jinja", *stage3, "staged_bwd_host.py.jinja")
+    return ("staged_bwd_dq.py.jinja", dstate, *stage3, "staged_bwd_host.py.jinja")
 
 
 def _bwd_decay(plan: Plan) -> str:
