@@ -38,7 +38,7 @@ class Launch:
 
 def _general(plan: Plan) -> tuple:
     """The token loop, the general chunked forward and backward (every spec has them)."""
-    return ("recurrent.py.jinja", "prologue.py.jinja", "chunk.py.jinja", "chunk_bwd.py.jinja")
+    return ("recurrent.py.jinja", "prologue.py.jinja", "chunk.py.jinja", "chunk_bwd.py.jinja", "chunk_host.py.jinja")
 
 
 def _staged_forward(plan: Plan) -> tuple:
