@@ -239,6 +239,9 @@ def _fwd_holes(plan: Plan) -> dict:
                     "chunk_offsets_ptr, cu_seqlens_ptr, scale, T"),
         solve_body="solve_diagonal" if diag else "solve_scalar",
         solve_pairs=(("A", "b_cd"), ("P", "b_rd")) if plan.delta else (("P", "b_rd"),),
+        solve_keys_chunk="solve_keys_chunk" if keys_in_solve else "nothing",
+        solve_keys_block="solve_keys_block" if keys_in_solve else "nothing",
+        solve_a_block="solve_a_block" if plan.split_solve else "nothing",
         solve_g_init="    g_before = 0.0" if decays else "",
         first_bad_min="    first_bad = tl.min(first_bad)" if nonfinite else "",
         # stage 2
@@ -256,6 +259,7 @@ def _fwd_holes(plan: Plan) -> dict:
         wy_norm=("    f_n = tl.rsqrt(n2 + 1e-6)\n    f_u, f_c = f_u * f_n, f_c * f_n"
                  if plan.raw_wy and plan.raw_wy[0].norm else ""),
         wy_raw_decays="wy_raw_decays" if decays else "nothing",
+        fused_decays="fused_decays" if decays else "fused_keys",
         fused_output_factor=f"    tl.store(fo_ptr + rows * HV + i_hv, f_u, mask=m_t){output_factor}" if fo else "",
         fused_x_blocks="    b_X = tl.where(o_t[None, :] // BS > o_t[:, None] // BS, 0.0, b_X)" if nonfinite else "",
         # stage 3
@@ -274,11 +278,20 @@ def _fwd_holes(plan: Plan) -> dict:
         own_keys_call=(f"_staged_k_at({va}, rows, m_t, i_h, i_hv, scale, i_k * BKS, H, HV, K, BKS)" if split_k
                        else f"_staged_k({va}, rows, m_t, i_h, i_hv, scale, H, HV, K, BK)"),
         own_keys_decayed=own_keys_decayed,
+        # the backward reuses the forward's solve and makes the keys here; the forward's solve gave them
+        own_keys_given=("        if KEYS_GIVEN:  # by the solve (the backward makes them here)\n"
+                        "            b_kg = tl.load(kg_ptr + p_tk, mask=m_t[:, None] & m_k[None, :], other=0)\n"
+                        "            g_end = tl.load(g_ptr + ((c0 + i_t) * HV + i_hv) * K + o_k, mask=m_k, other=0)\n"
+                        "        else:") if keys_in_solve else "",
         # stage 4
         output_args=(f"{va}, e_ptr, hs_ptr, p_ptr, {fo}o_ptr, chunk_indices_ptr, chunk_offsets_ptr, "
                      "cu_seqlens_ptr, scale, T"),
         output_dirty_arg=" dirty_ptr," if plan.output_dirty_branch else "",
         output_products=output_products,
+        output_dense_decays=("    b_G = tl.cumsum(b_gl, 0)\n"
+                             "    b_o = tl.dot(b_r, b_h) * tl.exp(b_G)[:, None]\n"
+                             "    b_P *= tl.exp(tl.minimum(b_G[:, None] - b_G[None, :], 0.0))") if decays
+        else "    b_o = tl.dot(b_r, b_h)",
         output_values=("    b_e = tl.load(e_ptr + p_tv, mask=m_tv, other=0)" if plan.delta else
                        f"    b_e = {value_tile}({va}, rows, m_t, o_v, m_v, i_h, i_hv, H, HV, V).to(DT)"),
         # the native rank-2 forward's pairwise sums
