@@ -302,18 +302,12 @@ def _fwd_holes(plan: Plan) -> dict:
 
 
 def _staged_backward(plan: Plan) -> tuple:
-    """Templates of the staged backward's kernels (plan.staged_backward), in the module's order.
-
-    Rendered by chunk_staged.py.jinja for now (before staged_host.py.jinja, whose autotuned
-    wrappers name these kernels), so none is listed here yet: _bwd_templates lists them."""
-    return ()
-
-
-def _bwd_templates(plan: Plan) -> tuple:
-    """The staged backward's templates: stage 1 (staged_dq), 2 (staged_dstate), 3 (staged_dk, after
-    staged_de where plan.split_dk and staged_dr where plan.split_dr), with a decay per key channel 4
-    (staged_pair), then the host function. A form of a kernel other than the decay-per-head one
-    is a template that fills the blocks of that kernel's file (the `_key` and `_split` ones)."""
+    """Templates of the staged backward's kernels (plan.staged_backward), in the module's order:
+    stage 1 (staged_dq), 2 (staged_dstate), 3 (staged_dk, after staged_de where plan.split_dk and
+    staged_dr where plan.split_dr), with a decay per key channel 4 (staged_pair), then the host
+    function staged_bwd. A kernel's file is its form for a decay per head without an erase; each
+    other form is a template that fills that file's blocks (`_erase`, `_de`, `_split`, `_key`), so
+    no template chooses between forms (docs/kernels/backward.md has the table)."""
     if not plan.staged_backward:
         return ()
     if plan.split_dk and (plan.decay_kind != "scalar" or not plan.delta):
