@@ -243,6 +243,8 @@ def _fwd_holes(plan: Plan) -> dict:
         solve_keys_block="solve_keys_block" if keys_in_solve else "nothing",
         solve_a_block="solve_a_block" if plan.split_solve else "nothing",
         solve_g_init="    g_before = 0.0" if decays else "",
+        solve_block_decays="solve_block_decays" if decays else "nothing",
+        solve_pair_decays="solve_pair_decays" if decays else "nothing",
         first_bad_min="    first_bad = tl.min(first_bad)" if nonfinite else "",
         # stage 2
         wy_form="raw" if plan.raw_wy else "dense",
