@@ -74,8 +74,6 @@ def _staged_forward(plan: Plan) -> tuple:
     if plan.delta:
         out.append("staged_wy.py.jinja")
     out += ["staged_fwd_state.py.jinja", "staged_fwd_output.py.jinja"]
-    # renders the staged backward's templates until _staged_backward lists them
-    out.append("chunk_staged.py.jinja")
     return tuple(out)
 
 
