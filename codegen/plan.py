@@ -279,6 +279,12 @@ class Plan:
         return self.route.output_dirty_branch and self.causal_nonfinite
 
     @property
+    def head_index(self) -> str:
+        """The kernels' statement that makes h_f, the head index as a number, where an expression
+        reads it ("" where none does)."""
+        return "h_f = i_hv.to(tl.float32)" if self.uses_head else ""
+
+    @property
     def dr_factor(self) -> str:
         """What the staged kernel that makes r's gradient (staged_dk; staged_dq with a decay per key
         channel) multiplies it by: the scale where the chain rule is direct (Chain.direct: it is

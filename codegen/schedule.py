@@ -435,3 +435,31 @@ def autotuned(plan: Plan) -> tuple:
     """The launches of the staged forward and backward that go through an autotuned wrapper, each
     wrapper once, in the order of the module's TUNING_SPACE."""
     return tuple(l for l in forward(plan) + backward(plan) if l.wrapper)
+
+
+def host_holes(plan: Plan) -> dict:
+    """The staged host functions' holes (staged_host.py.jinja): the Python lines this plan has,
+    "" where it has none."""
+    keys_in_solve = plan.decay_kind == "diagonal" and not plan.delta
+    wy_constants = ""
+    if plan.raw_wy:
+        wy_constants = ("# the WY stage's launches (plan.raw_wy): products over every chunk, then the chunks whose\n"
+                        "# operands are not all finite made again, WY_FLAGS (chunk, head) pairs per program\n"
+                        f"WY_PASSES = {'(False, True)' if plan.causal_nonfinite else '(False,)'}\n"
+                        "WY_FLAGS = 16")
+    prefix_launch = ""
+    if plan.decay_prefix:
+        prefix_launch = ("    g = torch.empty(B, T, HV, dtype=torch.float32, device=dev)  # G per token (plan.decay_prefix)\n"
+                         "    staged_prefix_kernel[(NT, HV, grid_b)](\n"
+                         "        *args, g, chunk_indices, chunk_offsets, cu_seqlens, T, H=H, HV=HV, BT=BT, IS_VARLEN=varlen,\n"
+                         "    )")
+    return dict(
+        wy_constants=wy_constants,
+        decayed_keys=("kg = torch.empty(B, T, HV, dtype=torch.float32, device=dev)  # one number per token (plan.raw_key)"
+                      if plan.raw_key else "kg = torch.empty(B, T, HV, K, dtype=dt, device=dev)"),
+        output_factors=("fo = torch.empty(B, T, HV, dtype=torch.float32, device=dev)  # plan.output_factors, stored "
+                        "by the WY stage for the output stage" if plan.output_factors else ""),
+        prefix_launch=prefix_launch,
+        solve_keys_dropped=('saved["kg"] = None  # the solve\'s decayed keys, for this state pass only (no erase: '
+                            "staged_bwd reads none)" if keys_in_solve else ""),
+    )
