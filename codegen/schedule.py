@@ -314,7 +314,8 @@ def _staged_backward(plan: Plan) -> tuple:
         raise ValueError("staged_de and its staged_dk take an erase and a scalar decay (plan.split_dk)")
     dstate = "staged_bwd_dstate_erase.py.jinja" if plan.delta else "staged_bwd_dstate.py.jinja"
     if plan.decay_kind == "diagonal":
-        return ("staged_bwd_dq_key.py.jinja", dstate, "staged_bwd_dk_key.py.jinja",
+        return ("staged_bwd_dq_key.py.jinja", dstate,
+                "staged_bwd_dk_key_erase.py.jinja" if plan.delta else "staged_bwd_dk_key.py.jinja",
                 "staged_bwd_pair_erase.py.jinja" if plan.delta else "staged_bwd_pair.py.jinja",
                 "staged_bwd_host_key.py.jinja")
     stage3 = ("staged_bwd_dk_erase.py.jinja" if plan.delta else "staged_bwd_dk.py.jinja",)
