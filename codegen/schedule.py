@@ -170,7 +170,7 @@ def _fwd_holes(plan: Plan) -> dict:
         if plan.decay_kind == "constant":
             raw_write_decay = "\n".join(filter(None, [
                 "    # one log-decay per head: G_end - G_t = (n_t - 1 - t) log d",
-                "    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
+                f"    {plan.head_index}" if plan.head_index else "",
                 f"    lg = {plan.log_decay}",
                 "    b_d = tl.exp(lg * tl.maximum(n_t - 1 - o_t, 0).to(tl.float32))",
                 "    g_end = lg * n_t.to(tl.float32)"]))
@@ -206,7 +206,6 @@ def _fwd_holes(plan: Plan) -> dict:
         diagonal_x=", ".join(f"b_X{i}{i}" for i in range(nb)),
         diagonal_a="".join(f"b_A{i}{i}, " for i in range(nb)),
         block_inverses=", ".join(f"b_X{i} + eye" for i in range(nb)),
-        head_index="    h_f = i_hv.to(tl.float32)" if plan.uses_head else "",
         erase_c=plan.erase_c if plan.delta else "0.0",
         log_decays=(f"tl.where(m_tk, {plan.log_decay}, 0.0)" if diag else
                     f"tl.sum(tl.where(m_t[:, None], {plan.log_decay if decays else '0.0'}, 0.0), 1)"),
