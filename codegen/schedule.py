@@ -318,11 +318,14 @@ def _staged_backward(plan: Plan) -> tuple:
                 "staged_bwd_pair_erase.py.jinja" if plan.delta else "staged_bwd_pair.py.jinja",
                 "staged_bwd_host_key.py.jinja")
     stage3 = ("staged_bwd_dk_erase.py.jinja" if plan.delta else "staged_bwd_dk.py.jinja",)
+    host = "staged_bwd_host.py.jinja"
     if plan.split_dr:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dr.py.jinja", "staged_bwd_dk_split.py.jinja")
+        host = "staged_bwd_host_split.py.jinja"
     elif plan.split_dk:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dk_de.py.jinja")
-    return ("staged_bwd_dq.py.jinja", dstate, *stage3, "staged_bwd_host.py.jinja")
+        host = "staged_bwd_host_de.py.jinja"
+    return ("staged_bwd_dq.py.jinja", dstate, *stage3, host)
 
 
 def _bwd_decay(plan: Plan) -> str:
