@@ -26,6 +26,8 @@ class Launch:
     space: str = ""
     restores: tuple = ()
     seq_keyed: bool = False
+    # the staged_host_launches.jinja macro that makes it ("": the host function writes it out)
+    launcher: str = ""
 
     @property
     def autotune_args(self) -> str:
@@ -359,13 +361,14 @@ def forward(plan: Plan) -> tuple:
     if plan.solve_wy_fused:
         out.append(Launch("solve", "wy fused", "staged_solve_wy.py.jinja", "staged_solve_wy_kernel", "staged_solve_wy",
                           "_space([128], [4], [1], maxnreg=168) + _space([128], [4], [1]) "
-                          "+ _space([64], [4], [2], maxnreg=168)", ("dirty_ptr",)))
+                          "+ _space([64], [4], [2], maxnreg=168)", ("dirty_ptr",), launcher="solve_wy"))
     elif plan.delta or diag:
         out.append(Launch("solve", "key" if diag else "", "staged_fwd_solve.py.jinja", "staged_solve_kernel",
-                          "staged_solve", f"_space(None, {'[4, 8]' if diag else '[1]'}, [1])", ("exact_ptr",)))
+                          "staged_solve", f"_space(None, {'[4, 8]' if diag else '[1]'}, [1])", ("exact_ptr",),
+                          launcher="solve"))
     if plan.split_solve:
         out.append(Launch("inverse", "", "staged_fwd_inverse.py.jinja", "staged_inverse_kernel", "staged_inverse",
-                          "_space(None, [1], [1]) + _space(None, [1], [1], maxnreg=128)"))
+                          "_space(None, [1], [1]) + _space(None, [1], [1], maxnreg=128)", launcher="inverse"))
     if plan.delta:
         if diag:
             variant, space = "key", ('_space(None, [8], [2], tiles=[{"BV": 128, "EARLY": True}], maxnreg=128) '
@@ -375,9 +378,10 @@ def forward(plan: Plan) -> tuple:
         else:
             variant, space = "", ('_space(None, [4], [2], tiles=[{"BV": 64, "EARLY": False}]) '
                                   '+ _space(None, [8], [2], tiles=[{"BV": 128, "EARLY": True}], maxnreg=128)')
-        out.append(Launch("wy", variant, "staged_wy.py.jinja", "staged_wy_kernel", "staged_wy", space, ("dirty_ptr",)))
+        out.append(Launch("wy", variant, "staged_wy.py.jinja", "staged_wy_kernel", "staged_wy", space, ("dirty_ptr",),
+                          launcher="wy_raw" if plan.raw_wy else "wy"))
     if plan.decay_prefix:
-        out.append(Launch("prefix", "", "staged_fwd_prefix.py.jinja", "staged_prefix_kernel"))
+        out.append(Launch("prefix", "", "staged_fwd_prefix.py.jinja", "staged_prefix_kernel", launcher="prefix"))
     if plan.state_split_k:
         state = ("split k", '_space(None, [4], [3, 4], tiles=[{"BV": 64, "BKS": 64}, {"BV": 32, "BKS": 64}, '
                             '{"BV": 128, "BKS": 64}, {"BV": 64, "BKS": 32}])')
@@ -450,19 +454,21 @@ def host_holes(plan: Plan) -> dict:
                         "# operands are not all finite made again, WY_FLAGS (chunk, head) pairs per program\n"
                         f"WY_PASSES = {'(False, True)' if plan.causal_nonfinite else '(False,)'}\n"
                         "WY_FLAGS = 16")
-    prefix_launch = ""
-    if plan.decay_prefix:
-        prefix_launch = ("    g = torch.empty(B, T, HV, dtype=torch.float32, device=dev)  # G per token (plan.decay_prefix)\n"
-                         "    staged_prefix_kernel[(NT, HV, grid_b)](\n"
-                         "        *args, g, chunk_indices, chunk_offsets, cu_seqlens, T, H=H, HV=HV, BT=BT, IS_VARLEN=varlen,\n"
-                         "    )")
     return dict(
         wy_constants=wy_constants,
         decayed_keys=("kg = torch.empty(B, T, HV, dtype=torch.float32, device=dev)  # one number per token (plan.raw_key)"
                       if plan.raw_key else "kg = torch.empty(B, T, HV, K, dtype=dt, device=dev)"),
         output_factors=("fo = torch.empty(B, T, HV, dtype=torch.float32, device=dev)  # plan.output_factors, stored "
                         "by the WY stage for the output stage" if plan.output_factors else ""),
-        prefix_launch=prefix_launch,
+        # staged_host_launches.jinja's: the solve's output (A, for the inverse's launch, where that
+        # has one) and its decayed keys (a decay per key channel without an erase), the output
+        # stage's factors as the WY stage's argument, the WY passes the fused solve leaves to it
+        inverse_buffer=("a = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)  # A, for the inverse's launch"
+                        if plan.split_solve else ""),
+        solve_output="a" if plan.split_solve else "ai",
+        solve_keys="kg, g, " if keys_in_solve else "",
+        output_factor_arg="fo, " if plan.output_factors else "",
+        wy_passes_from="[1 if solved is None else 0:]" if plan.solve_wy_fused else "",
         solve_keys_dropped=('saved["kg"] = None  # the solve\'s decayed keys, for this state pass only (no erase: '
                             "staged_bwd reads none)" if keys_in_solve else ""),
     )
