@@ -336,6 +336,15 @@ def _bwd_decay(plan: Plan) -> str:
         plan.decay_kind, "staged_bwd_decay_head.jinja")
 
 
+def _bwd_out(plan: Plan) -> str:
+    """The macros file of where staged_dk's vector gradients go (imported as `out`): stored for the
+    host's chain rule, through the chain rule in its epilogue (plan.chain_in_dk), and with r's
+    straight to its input's (plan.chain_at_dr)."""
+    if plan.chain_at_dr:
+        return "staged_bwd_out_chain_at.jinja"
+    return "staged_bwd_out_chain.jinja" if plan.chain_in_dk else "staged_bwd_out_store.jinja"
+
+
 def kernel_templates(plan: Plan) -> tuple:
     """Every template the module renders, in order, each once."""
     out = list(_general(plan))
