@@ -464,6 +464,12 @@ def host_holes(plan: Plan) -> dict:
                         f"WY_PASSES = {'(False, True)' if plan.causal_nonfinite else '(False,)'}\n"
                         "WY_FLAGS = 16")
     return dict(
+        # the output stage's launches: a causal one over the dirty chunks unless its branch takes them
+        causal_passes="(False, True)" if plan.causal_nonfinite and not plan.output_dirty_branch else "(False,)",
+        # the solve's: its exact path over the chunks that need it, with a decay per key channel
+        exact_passes="(False, True)" if plan.decay_kind == "diagonal" else "(False,)",
+        # the state pass makes the decayed keys itself in the backward (the forward's solve made them)
+        state_keys_given=" KEYS_GIVEN=solved is None," if keys_in_solve else "",
         wy_constants=wy_constants,
         decayed_keys=("kg = torch.empty(B, T, HV, dtype=torch.float32, device=dev)  # one number per token (plan.raw_key)"
                       if plan.raw_key else "kg = torch.empty(B, T, HV, K, dtype=dt, device=dev)"),
