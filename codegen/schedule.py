@@ -332,8 +332,8 @@ def _staged_backward(plan: Plan) -> tuple:
 
 def _bwd_decay(plan: Plan) -> str:
     """The macros file of the backward's decay terms for this plan's decay (imported as `decay`)."""
-    return {"identity": "staged_bwd_decay_none.jinja", "diagonal": "staged_bwd_decay_key.jinja"}.get(
-        plan.decay_kind, "staged_bwd_decay_head.jinja")
+    return {"identity": "staged_bwd_decay_none.jinja", "constant": "staged_bwd_decay_const.jinja",
+            "scalar": "staged_bwd_decay_scalar.jinja", "diagonal": "staged_bwd_decay_key.jinja"}[plan.decay_kind]
 
 
 def _bwd_out(plan: Plan) -> str:
