@@ -413,21 +413,22 @@ def backward(plan: Plan) -> tuple:
         return ()
     diag = plan.decay_kind == "diagonal"
     key = "_key" if diag else ""
+    erase = "_erase" if plan.delta else ""  # the template of a kernel's form with an erase (_staged_backward's)
     dstate_tiles = '{"BV": 32, "BKS": 64}, {"BV": 64, "BKS": 64}' if plan.dstate_split_k else ""
     out = [
         Launch("dq", "key" if diag else "", f"staged_bwd_dq{key}.py.jinja", "staged_dq_kernel", "staged_dq",
                "_space([64], [8], [1, 2])" if diag else "_space([64], [4], [2])"),
-        Launch("dstate", "split k" if dstate_tiles else "", "staged_bwd_dstate.py.jinja", "staged_dstate_kernel",
+        Launch("dstate", "split k" if dstate_tiles else "", f"staged_bwd_dstate{erase}.py.jinja", "staged_dstate_kernel",
                "staged_dstate", f"_space(None, [4], [2], tiles=[{dstate_tiles}])" if dstate_tiles
                else "_space([32], [4], [2, 3])", seq_keyed=True),
-        Launch("dstate", "fp32", "staged_bwd_dstate.py.jinja", "staged_dstate_kernel", "staged_dstate_fp32",
+        Launch("dstate", "fp32", f"staged_bwd_dstate{erase}.py.jinja", "staged_dstate_kernel", "staged_dstate_fp32",
                '_space(None, [4], [1], tiles=[{"BV": 32' + (', "BKS": 64' if plan.dstate_split_k else "") + "}])",
                seq_keyed=True),
     ]
     if diag:
-        out.append(Launch("dk", "key", "staged_bwd_dk_key.py.jinja", "staged_dk_kernel", "staged_dk",
+        out.append(Launch("dk", "key", f"staged_bwd_dk_key{erase}.py.jinja", "staged_dk_kernel", "staged_dk",
                           f"_space({'[64, 128]' if plan.delta else '[64]'}, [8], [2])", ("du_ptr", "dgl_ptr")))
-        out.append(Launch("pair", "key", "staged_bwd_pair.py.jinja", "staged_pair_kernel"))
+        out.append(Launch("pair", "key", f"staged_bwd_pair{erase}.py.jinja", "staged_pair_kernel"))
         return tuple(out)
     if plan.split_dk:
         out.append(Launch("de", "", "staged_bwd_de.py.jinja", "staged_de_kernel", "staged_de",
@@ -441,7 +442,7 @@ def backward(plan: Plan) -> tuple:
         out.append(Launch("dk", "split", "staged_bwd_dk_de.py.jinja", "staged_dk_kernel", "staged_dk",
                           "_space([64], [8], [2, 3]) + _space([32], [8], [2])"))
     else:
-        out.append(Launch("dk", "" if plan.delta else "no erase", "staged_bwd_dk.py.jinja", "staged_dk_kernel",
+        out.append(Launch("dk", "" if plan.delta else "no erase", f"staged_bwd_dk{erase}.py.jinja", "staged_dk_kernel",
                           "staged_dk", "_space([64, 32], [8], [2])" if plan.delta
                           else "_space([32, 64, 128], [8], [2])"))
     return tuple(out)
