@@ -53,9 +53,9 @@ class Raw:
 @dataclass(frozen=True)
 class Aux:
     """One auxiliary state of the spec (P_t = alpha_t P_{t-1} + beta_t) and the names the kernels
-    give it. Its pointer prefixes ("aux_", "auxin_", "auxout_") differ in their fourth letter, so
-    no two names of two states meet."""
-    var: str  # block variable in the kernels (b_<name>)
+    give it, all made from its validated name: the pointer prefixes ("aux_", "auxin_", "auxout_")
+    differ in their fourth letter, so no two names of two states meet."""
+    name: str  # the spec's name of the state
     kind: str  # "K" | "V"
     decay: str  # Triton text of alpha_t
     write: str  # Triton text of beta_t
@@ -63,17 +63,22 @@ class Aux:
     log_decay: str = ""
 
     @property
+    def var(self) -> str:
+        """Its block variable in the kernels."""
+        return var(self.name)
+
+    @property
     def ptr(self) -> str:
         """Its per-token buffer (the aux pass's output, the staged kernels' input)."""
-        return aux_ptr(self.var)
+        return f"aux_{self.name}_ptr"
 
     @property
     def init_ptr(self) -> str:
-        return "auxin_" + self.var[2:] + "_ptr"
+        return f"auxin_{self.name}_ptr"
 
     @property
     def final_ptr(self) -> str:
-        return "auxout_" + self.var[2:] + "_ptr"
+        return f"auxout_{self.name}_ptr"
 
     @property
     def chunked(self) -> bool:
@@ -374,11 +379,6 @@ def _bounds(i: ir.Input) -> tuple:
     return tuple(number(b) if b.is_finite else "" for b in (i.lo, i.hi))
 
 
-def aux_ptr(block_var: str) -> str:
-    """Pointer name of an auxiliary state's buffer, from its block variable b_<name>."""
-    return "aux_" + block_var[2:] + "_ptr"
-
-
 def plan(m: ir.Mixer) -> Plan:
     loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm, *_bounds(i)) for i in m.inputs)
     loads += tuple(Load(p.name, var(p.name), p.kind, False, False, *_bounds(p), per_head=True) for p in m.params)
@@ -398,7 +398,7 @@ def plan(m: ir.Mixer) -> Plan:
         mixer=m.name,
         summary=summary,
         loads=loads,
-        aux=tuple(Aux(var(a.name), a.kind, code(a.decay), code(a.write), _aux_log_decay(m, a)) for a in m.aux),
+        aux=tuple(Aux(a.name, a.kind, code(a.decay), code(a.write), _aux_log_decay(m, a)) for a in m.aux),
         lets=tuple(Step(var(lt.name), code(lt.expr), lt.kind) for lt in m.lets),
         decay_kind=m.decay.kind,
         decay=code(m.decay.value),
