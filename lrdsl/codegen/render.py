@@ -7,6 +7,7 @@ from importlib import resources
 
 import jinja2
 
+from lrdsl.codegen import schedule
 from lrdsl.codegen.plan import Plan
 
 
@@ -23,7 +24,7 @@ def _env() -> jinja2.Environment:
 
 
 def render(plan: Plan, version: str) -> str:
-    return _render("module.py.jinja", plan=plan, version=version)
+    return _render("module.py.jinja", plan=plan, schedule=schedule, version=version)
 
 
 def render_solve(solve, version: str) -> str:
