@@ -88,8 +88,7 @@ def _fwd_vectors(plan: Plan) -> tuple:
 
 def _fwd_rank2_parts(plan: Plan) -> tuple:
     """The native rank-2 forward's helpers: the vectors and, with a decay per key channel, its
-    diagonal blocks. (staged_rank2.py.jinja renders them itself while kernel_templates lists it
-    alone.)"""
+    diagonal blocks."""
     blocks = ("staged_fwd_rank2_diagonal.py.jinja",) if plan.decay_kind == "diagonal" else ()
     return _fwd_vectors(plan) + blocks
 
@@ -354,7 +353,7 @@ def kernel_templates(plan: Plan) -> tuple:
             out.append("chain_rule.py.jinja")
         out.append("staged_host.py.jinja")  # last: its autotuned wrappers wrap the kernels above
     elif plan.rank2:
-        out.append("staged_rank2.py.jinja")
+        out += _staged_forward(plan)
     return tuple(dict.fromkeys(out))
 
 
