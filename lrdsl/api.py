@@ -255,7 +255,7 @@ class Mixer:
 
     @property
     def split(self):
-        """The mixer whose staged kernels chunk runs on two tokens per token (lrdsl/split.py), or
+        """The mixer whose staged kernels chunk runs on two tokens per token (lrdsl/codegen/split.py), or
         None: this spec's erase is along its write key already, or the split has no staged kernels."""
         if self._split is None:
             from lrdsl.codegen.split import split_ir

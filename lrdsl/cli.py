@@ -233,7 +233,7 @@ def kernels_text(m) -> str:
               f"           forward on {p.staged_chunk}-token chunks (templates/staged_rank2.py.jinja; less memory,\n"
               "           slower so far)\n")
     update = next(line for line in printer.explicit(s).splitlines() if line.startswith("S = "))
-    return ("chunk      split (lrdsl/split.py): the staged kernels on two tokens per token (phase 0, 1) of\n"
+    return ("chunk      split (lrdsl/codegen/split.py): the staged kernels on two tokens per token (phase 0, 1) of\n"
             f"           {update}\n" + (native if p.rank2 else "") + wide + decode)
 
 

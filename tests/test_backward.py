@@ -760,7 +760,7 @@ def test_staged_dk_over_several_value_tiles(stem, compiled, monkeypatch):
     """staged_dk's value loop over three tiles of 16 values, the last one partial (forced: the
     interpreter takes the space's first config): the end state's decay gradient <S0, dS> is
     summed over them (mamba2 and gated_deltanet: from the tiles loaded a second time, BV < V; with
-    an erase, BV < 64; gla and kda: chunk_staged_bwd_diag.py.jinja's register sum).
+    an erase, BV < 64; gla and kda: the per-key-channel backward's register sum).
     Sequences of 5, 65 (a second chunk of one token, whose S0 decays little) and 10 tokens,
     against the float64 reference."""
     import triton

@@ -199,7 +199,7 @@ def test_native_forward_of_a_decay_after_the_erase(strength, varlen, monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 @pytest.mark.parametrize("name", ["novel_test_only", "erase_other", "right_scalar"])
 def test_novel_spec_written_for_the_tests_gpu(name):
-    """tests/specs/<name>.lr (not in examples/; all three run split, lrdsl/split.py): bf16, chunk
+    """tests/specs/<name>.lr (not in examples/; all three run split, lrdsl/codegen/split.py): bf16, chunk
     forward and backward and recurrent forward against the float64 reference, same limits as the
     examples."""
     path = os.path.join(os.path.dirname(__file__), "specs", f"{name}.lr")

@@ -38,7 +38,7 @@ def state_parts(state) -> dict:
 
 
 def chunk_modules(mixer) -> list:
-    """The generated modules chunk may launch: the mixer's own, and its split mixer's (lrdsl/split.py)."""
+    """The generated modules chunk may launch: the mixer's own, and its split mixer's (lrdsl/codegen/split.py)."""
     return [mixer.kernels] + ([mixer.split.kernels] if mixer.split is not None else [])
 
 

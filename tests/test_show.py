@@ -83,7 +83,7 @@ o = S^T q
 @pytest.mark.parametrize("name, first", [
     ("gated_deltanet", "the staged kernels (a decay per token and head)"),
     ("gla", "the staged kernels (a decay per key channel: 16-token blocks on tensor cores)"),
-    ("kda_decay_after_erase", "split (lrdsl/split.py): the staged kernels on two tokens per token"),
+    ("kda_decay_after_erase", "split (lrdsl/codegen/split.py): the staged kernels on two tokens per token"),
     ("mesa", "the offline solve's kernels"),
     ("vnorm", "the general kernels (templates/chunk.py.jinja): an L2 norm over the value channels"),
 ])

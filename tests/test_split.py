@@ -1,4 +1,4 @@
-"""The split (lrdsl/split.py): a transition whose erase is not along the write key, run as one whose
+"""The split (lrdsl/codegen/split.py): a transition whose erase is not along the write key, run as one whose
 erase is, on two tokens per token. Its reference on the interleaved tokens is the original's (float64,
 resets and nan included); chunk through it matches the original's reference forward and backward;
 the general kernels still serve where the split does not (keys wider than the staged kernels')."""

@@ -231,7 +231,7 @@ class Plan:
     raw_key: Raw | None = None
     # (erase read c, write value z) as Raw where plan.raw_key is set, c is the same input's tile
     # times per-token numbers and z an input's tile as stored, else (): the WY stage gives tl.dot
-    # both tiles as loaded (staged_wy_raw.py.jinja)
+    # both tiles as loaded (staged_wy.py.jinja, its raw form)
     raw_wy: tuple = ()
     # the query as Raw (its input may be normalised) where the decay is not per key channel and
     # there are no auxiliary states, else None: the dq stage stores one number per token instead of
@@ -546,4 +546,4 @@ def _aux_log_decay(m: ir.Mixer, a: ir.Aux) -> str:
 
 
 SPLIT_NOTE = ("; Mixer.chunk runs the staged kernels of its split spec instead (two tokens per token,"
-              " lrdsl/split.py) where K <= the staged limit")
+              " lrdsl/codegen/split.py) where K <= the staged limit")

@@ -73,7 +73,7 @@ class silu(_Elementwise):
 
 class gate(sp.Function):
     """gate(p, x): x where p > 0, else 0 (x not read there, so -inf or nan in x gives 0). The split
-    spec (lrdsl/split.py) switches the decay off in one phase with it: p * log(d) would be nan
+    spec (lrdsl/codegen/split.py) switches the decay off in one phase with it: p * log(d) would be nan
     where log(d) is -inf, a reset. Not in the spec language."""
     nargs = 2
 
@@ -237,7 +237,7 @@ TABLE = (
     Primitive("", 2, sp.Heaviside, sp.Heaviside, _heaviside_rule,
               lambda x, h0=0.5: _torch().heaviside(_T(x), _T(h0, dtype=_T(x).dtype)),
               lambda x, h0="0.5": f"tl.where({x} > 0, 1.0, tl.where({x} < 0, 0.0, {h0}))"),
-    # the split spec's phase gate (lrdsl/split.py)
+    # the split spec's phase gate (lrdsl/codegen/split.py)
     Primitive("", 2, gate, gate, lambda p, x: (min(x[0], 0.0), max(x[1], 0.0)),
               lambda p, x: _torch().where(_T(p) > 0, _T(x), _T(0.0, dtype=_T(x).dtype)),
               lambda p, x: f"tl.where({p} > 0, {x}, 0.0)", printed=lambda p, x: f"gate({p}, {x})",
