@@ -12,7 +12,6 @@ import difflib
 import keyword
 import re
 import sys
-from dataclasses import dataclass
 
 import sympy as sp
 
@@ -21,6 +20,7 @@ from lrdsl.frontend.desugar import desugar
 from lrdsl.errors import SpecError
 from lrdsl.frontend.symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
 from lrdsl.frontend.params import declared_range, lower_params
+from lrdsl.frontend.values import Gram, GramInv, Mat, Out, Row, St, StT, Val, describe as _desc
 from lrdsl.frontend.syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Params, Readout, Spec, StateDecl, Transpose, Update, Var)
 
 RESERVED = {"S", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
@@ -41,70 +41,6 @@ def check_name(name: str, span, what: str = "name") -> None:
     if not NAME_RE.match(name):
         raise SpecError(f"'{name}' is not a valid {what}: use letters, digits and '_', starting "
                         "with a letter, at most 32 characters", span)
-
-
-# ---- typed values ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Val:  # elementwise: kind "scalar" | "K" | "V"
-    kind: str
-    expr: sp.Expr
-
-
-@dataclass(frozen=True)
-class Row:  # a transposed vector
-    kind: str
-    expr: sp.Expr
-
-
-@dataclass(frozen=True)
-class Mat:  # K x K: terms ("diag", d) | ("outer", u, c)
-    terms: tuple
-
-
-@dataclass(frozen=True)
-class St:  # [K, V]: carried terms (Mat terms multiplying S) and writes ((u, z), ...)
-    carried: tuple
-    writes: tuple
-
-
-@dataclass(frozen=True)
-class StT:  # S^T
-    pass
-
-
-@dataclass(frozen=True)
-class Out:  # S^T x, or S^T (G + diag(lam))^-1 x
-    query: sp.Expr
-    lam: sp.Expr | None = None
-
-
-@dataclass(frozen=True)
-class Gram:  # G + diag(lam): the Gram state of an offline solve, plus a diagonal
-    lam: sp.Expr
-
-
-@dataclass(frozen=True)
-class GramInv:  # (G + diag(lam))^-1, or S^T (G + diag(lam))^-1 when after_state
-    lam: sp.Expr
-    after_state: bool = False
-
-
-def _desc(x) -> str:
-    if isinstance(x, Val):
-        return {"scalar": "a number per head", "K": "a [K] vector", "V": "a [V] vector"}[x.kind]
-    if isinstance(x, Row):
-        return f"a transposed [{x.kind}] vector"
-    if isinstance(x, Mat):
-        return "a [K, K] matrix"
-    if isinstance(x, St):
-        return "a [K, V] state expression"
-    if isinstance(x, StT):
-        return "S^T"
-    if isinstance(x, Gram):
-        return "the Gram state G plus a diagonal"
-    if isinstance(x, GramInv):
-        return "an inverse of G + diag(...)"
-    return "the readout S^T x"
 
 
 MAX_CONSTANT_BITS = 4096  # numerator and denominator of an exact constant (2^4096 ~ 1e1233)
