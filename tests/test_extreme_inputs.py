@@ -41,6 +41,36 @@ def test_strong_decay_at_one_token(name, value, compiled):
     assert not bad, f"{name} g={value}: {bad}"
 
 
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
+def test_a_run_of_tokens_below_the_log_decay_floor(name, compiled):
+    """The chunked kernels count a per-token log-decay below -20 as -20 (plan.log_decay_floor). A
+    run of 20 tokens at -25 each (across a chunk boundary) is then -400 where the reference has
+    -500: both leave exp(-400) of the state, nothing in fp32, so forward and backward still match
+    the float64 reference. (Where the floor is not exact: docs/kernels.md, "The log-decay floor".)"""
+    mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
+    case = Case(B=1, T=100, H=2, HV=2, K=16, V=16, initial_state=True, seed=8)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    x["g"][0, 50:70] = -25.0
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, s = mixer.chunk(**leaves, **opts)
+    do = torch.randn_like(o)
+    (o * do).sum().backward()
+    ref_leaves = {n: t.double().requires_grad_() for n, t in x.items()}
+    ref_o, ref_s = mixer.reference(**ref_leaves, **dict(opts, initial_state=opts["initial_state"].double()))
+    (ref_o * do.double()).sum().backward()
+    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s)}
+    errs.update({"d" + n: rms_ratio(leaves[n].grad, ref_leaves[n].grad) for n in x if n != "g"})
+    limit = {"o": TOL, "S": TOL, "dq": TOL, "dk": TOL, "dv": TOL}
+    bad = {n: e for n, e in errs.items() if not e < limit.get(n, 10 * TOL)}
+    assert not bad, f"{name}: {bad}"
+    # g's gradient is the reference's but at the floored tokens, where the kernels' is zero (the
+    # floor is flat there) and the reference's is not
+    kept = torch.ones_like(x["g"], dtype=torch.bool)
+    kept[0, 50:70] = False
+    assert rms_ratio(leaves["g"].grad[kept], ref_leaves["g"].grad[kept]) < 10 * TOL
+    assert leaves["g"].grad[~kept].abs().max() == 0
+
+
 @pytest.mark.parametrize("name", ["gated_deltanet", "gdn2", "precond_deltanet"])
 def test_out_of_range_inputs_are_clamped_the_same_on_every_path(name, compiled):
     """A value outside its declared range (g > 0 for a `log` input, beta > 1 for beta in (0, 1))
