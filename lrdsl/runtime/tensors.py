@@ -216,24 +216,36 @@ def compute_dtype(b: Batch) -> torch.dtype:
     return torch.float64 if b.tensors["q"].dtype == torch.float64 else torch.float32
 
 
+def regulariser_inputs(mixer: ir.Mixer) -> set:
+    """The names of the inputs and params the offline solve's regulariser reads (none without one)."""
+    if mixer.solve_lam is None:
+        return set()
+    return {s.name for s in mixer.inline_lets(mixer.solve_lam).free_symbols}
+
+
 def assert_in_ranges(mixer: ir.Mixer, b: Batch) -> None:
     """Every input inside its declared range (nan aside). On a GPU a device-side assert, which costs
     no host synchronisation (a violation fails the next synchronising call); on a CPU an InputError."""
     import torch
+    strict = regulariser_inputs(mixer)
     for i in (*mixer.inputs, *mixer.params):
         if not i.clamped:
             continue
         x = b.tensors[i.name]
         ok = torch.ones_like(x, dtype=torch.bool)
-        # an open finite end is excluded (lamb = 0 in (0, inf) makes the offline solve singular);
-        # an infinite end admits +-inf, the limits (g = -inf: a hard reset)
+        # An open finite end is excluded where the math breaks at it: the offline solve's regulariser
+        # (lamb = 0 in (0, inf) makes the solve singular). Elsewhere the end itself is admitted: the
+        # checker's bounds hold there by continuity, and low precision rounds onto it (sigmoid(6) is
+        # exactly 1.0 in bf16, for a gain declared in (0, 1)). An infinite end admits +-inf, the
+        # limits (g = -inf: a hard reset).
+        lo_open, hi_open = i.lo_open and i.name in strict, i.hi_open and i.name in strict
         lo, hi = float(i.lo), float(i.hi)
         if i.lo.is_finite:
-            ok &= ~(x <= lo) if i.lo_open else ~(x < lo)
+            ok &= ~(x <= lo) if lo_open else ~(x < lo)
         if i.hi.is_finite:
-            ok &= ~(x >= hi) if i.hi_open else ~(x > hi)
+            ok &= ~(x >= hi) if hi_open else ~(x > hi)
         what = (f"{'param' if isinstance(i, ir.Param) else 'input'} {i.name!r} has values outside its declared "
-                f"range {'(' if i.lo_open else '['}{lo:g}, {hi:g}{')' if i.hi_open else ']'}: pass values "
+                f"range {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}: pass values "
                 "inside it, or compile with check_ranges=False to have them clamped into it without a check")
         if x.device.type == "cpu":
             if not bool(ok.all()):
