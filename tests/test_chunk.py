@@ -277,7 +277,7 @@ def test_state_pass_split_over_key_channels(name, compiled):
     """Without an erase the state pass may split the state's rows over programs (plan.state_split_k):
     three slices of 16 key channels, the last one partial, give the reference's outputs and state."""
     import triton
-    from codegen.plan import plan
+    from lrdsl.codegen.plan import plan
     mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
     assert plan(mixer.ir).state_split_k
     tuner = mixer.kernels.staged_state
@@ -298,7 +298,7 @@ def test_state_pass_split_over_key_channels(name, compiled):
 
 def test_no_split_of_key_channels_where_they_mix():
     """An erase (delta rule) or an L2 norm of a key-side input ties the state's rows together."""
-    from codegen.plan import plan
+    from lrdsl.codegen.plan import plan
     for name in ("gated_deltanet", "deltanet"):
         assert not plan(lrdsl.compile(next(p for p in EXAMPLES if p.stem == name)).ir).state_split_k
     normed = lrdsl.compile(text="mixer normed_la\ninput q[K], k[K] l2norm, v[V]\nS = S + k v^T\no = S^T q\n")

@@ -237,7 +237,7 @@ def test_spec_comments_do_not_reach_generated_source(tmp_path):
     spec.write_text(text)
     rc, _, err = run_cli("compile", spec, "-o", tmp_path)
     assert rc == 0, err
-    assert (tmp_path / "injected.py").read_text() == source
+    assert (tmp_path / "injected.py").read_text() == source + cli.FORWARD_ONLY
 
 
 BAD_NAMES = [

@@ -176,9 +176,9 @@ def test_causal_nonfinite_off_spreads_nan_over_the_chunk(monkeypatch):
     nan at token 37 reaches the tokens before it (so the test can fail)."""
     import dataclasses
 
-    import lrdsl.codegen.plan as plan_module
-    plain = plan_module.plan
-    monkeypatch.setattr(plan_module, "plan", lambda m: dataclasses.replace(plain(m), causal_nonfinite=False))
+    import lrdsl.codegen.generate as generate_module  # the plan lrdsl.compile renders
+    plain = generate_module.plan
+    monkeypatch.setattr(generate_module, "plan", lambda m: dataclasses.replace(plain(m), causal_nonfinite=False))
     mixer = lrdsl.compile(spec_path("gated_deltanet"), check_ranges=False)
     x, opts = draw_inputs(mixer, Case(B=1, T=64, H=1, HV=1, K=16, V=16, seed=9), DEVICE)
     x["g"][0, 37] = math.nan
