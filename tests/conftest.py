@@ -17,6 +17,19 @@ os.environ.setdefault("LRDSL_CACHE_DIR", tempfile.mkdtemp(prefix="lrdsl-test-cac
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """pyproject's addopts run the tests in two pytest-xdist workers (--dist loadgroup). A module-scoped
+    fixture runs once in every worker that runs one of its tests (test_cp's spawn of the ranks,
+    test_spec_errors' and test_show's subprocesses, test_compile's compiled folder): the tests of a
+    module that use one go to one worker, so that each such fixture still runs once."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope == "module" for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def compiled():
     """lrdsl.compile with a cache for the session: each spec is parsed and its kernels loaded once."""

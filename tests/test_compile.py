@@ -329,8 +329,8 @@ WRITER = textwrap.dedent('''
 ''')
 
 
-# each writer is a Python start-up importing torch: two race in pytest -q, four under -m slow
-@pytest.mark.parametrize("writers", [2, pytest.param(4, marks=pytest.mark.slow)])
+# each writer is a Python start-up importing torch: two and four race under -m slow
+@pytest.mark.parametrize("writers", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_concurrent_writers_leave_a_whole_module(tmp_path, writers):
     cache = tmp_path / "shared-cache"
     script = tmp_path / "writer.py"

@@ -2,7 +2,7 @@
 sequences and K = V = 64, every example and test_cp's fallback spec, packed sequences straddling
 ranks and a batch. Needs two GPUs (four for the world-4 cases, skipped on fewer); run on a
 multi-GPU machine with
-    LRDSL_TEST_DEVICE=cuda python3 -m pytest -m gpu tests/test_cp_gpu.py -q
+    LRDSL_TEST_DEVICE=cuda python3 -m pytest -m gpu tests/test_cp_gpu.py -q -n 0
 fp32 inputs with tf32 products: test_gpu's tolerances against the single-process chunk and the
 float64 reference, both on the GPU (o and states 5e-3; dq, dk, dv, dh0 8e-3; other inputs 2e-2).
 """

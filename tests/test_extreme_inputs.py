@@ -15,7 +15,7 @@ MIXERS = ["gated_deltanet", "mamba2", "gla", "kda", "precond_deltanet", "kda_dec
 
 # -inf (a hard reset) for every mixer and -1e8 for one scalar and one per-channel decay in pytest -q;
 # -1e8 for the others (the same guards) and -1e4 under -m slow
-SLOW = {(-1e4, n) for n in MIXERS} | {(-1e8, n) for n in ("mamba2", "kda", "precond_deltanet")}
+SLOW = {(-1e4, n) for n in MIXERS} | {(-1e8, n) for n in ("mamba2", "kda", "precond_deltanet", "kda_decay_after_erase")}
 
 
 @pytest.mark.parametrize("name, value", [pytest.param(n, v, marks=pytest.mark.slow) if (v, n) in SLOW else (n, v)

@@ -468,6 +468,7 @@ def test_fuzz_covers_offline_solves_with_cgs_tolerance(compiled):
     assert "CG bound of each case" in result.summary()  # the tolerance it printed is the one it used
 
 
+@pytest.mark.slow  # a CPU training run
 def test_a_layer_trains_through_the_offline_solve(compiled, small_chunks):
     """lrdsl.nn.Layer over mesa_retention: a forward and backward pass reach every parameter and
     the gradients match those through the float64 reference; its cache holds the whole state."""

@@ -36,6 +36,7 @@ def test_cli_defaults_are_the_configs():
     assert all(getattr(c, k) == v for k, v in d.items() if k not in ("seq_lens", "pairs"))
 
 
+@pytest.mark.slow  # a CPU training run
 def test_tiny_model_learns(compiled, monkeypatch):
     """20 steps of a one-layer gla model on T = 16: the training loss falls (from about log 32; by
     0.78 to 0.88 times over seeds 0 to 2)."""
