@@ -69,6 +69,14 @@ def measure(mixer, x, reps, group=None):
     """(fwd ms, fwd+bwd ms, peak GiB, o) of chunk on x (a slice when group is given)."""
     with torch.no_grad():
         fwd = timed(lambda: mixer.chunk(**x, cp_group=group), reps, group)
+    both, peak = _measure_training(mixer, x, reps, group)  # its leaves and do are freed on return
+    with torch.no_grad():
+        o = mixer.chunk(**x, cp_group=group)[0]
+    return fwd, both, peak, o
+
+
+def _measure_training(mixer, x, reps, group):
+    """(fwd+bwd ms, peak GiB): the peak counts inputs, gradients, do and one call's working memory."""
     leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
     do = torch.randn_like(x["v"])
 
@@ -76,12 +84,8 @@ def measure(mixer, x, reps, group=None):
         mixer.chunk(**leaves, cp_group=group)[0].backward(do)
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
-    both = timed(train, reps, group)  # the peak: inputs, gradients, do and one call's working memory
-    peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan")
-    del leaves, do
-    with torch.no_grad():
-        o = mixer.chunk(**x, cp_group=group)[0]
-    return fwd, both, peak, o
+    both = timed(train, reps, group)
+    return both, torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan")
 
 
 def main():

@@ -9,11 +9,18 @@ Run from a checkout's root (that checkout's lrdsl is imported). The inputs are b
 bench` (--dtype fp32: fp32 inputs, so fp32 intermediates); on the CPU lrdsl runs its kernels on fp32
 copies of bf16 inputs (the interpreter's bf16 dots are wrong), which this script turns off: no kernel
 runs here."""
-import argparse, os, re, subprocess, sys, tempfile
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["LRDSL_AUTOTUNE"] = "0"
 sys.path.insert(0, os.getcwd())
-import torch, triton
+import torch
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
@@ -116,6 +123,7 @@ JITFunction.run = fake_run
 import lrdsl  # noqa: E402
 import lrdsl.api  # noqa: E402
 from lrdsl.bench import draw, parse_shape  # noqa: E402
+
 lrdsl.api._bf16_on_cpu = lambda *tensors: False  # the launches as the GPU makes them: bf16 stays bf16
 m = lrdsl.compile(a.spec)
 x = draw(m, parse_shape(a.shape), torch.bfloat16 if a.dtype == "bf16" else torch.float32, "cpu")

@@ -4,9 +4,8 @@ from __future__ import annotations
 import os
 from functools import cached_property
 
-from lrdsl.frontend import ir, printer
 from lrdsl.errors import InputError, SpecError
-from lrdsl.frontend import spec_to_ir
+from lrdsl.frontend import ir, printer, spec_to_ir
 from lrdsl.runtime.tensors import assert_in_ranges, validate
 
 

@@ -60,6 +60,7 @@ def draw(mixer, s: Shape, dtype=torch.bfloat16, device="cuda", seed=0) -> dict:
 
 def _fla(name: str):
     import importlib
+
     import fla.ops.common.chunk_o as chunk_o
     chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated backward on triton 3.6 (#640)
     path, fn = name.rsplit(".", 1)
@@ -153,7 +154,7 @@ def twin(mixer):
 
     def run(x, prenormalised=False):
         full = dict(x, **{PRENORMALISED: prenormalised})
-        q, v = x["q"], x["v"]
+        q = x["q"]
         for n, shape in (("g", q.shape[:3]), ("beta", q.shape[:3])):
             full.setdefault(n, torch.rand(shape, device=q.device) if n == "beta" else
                             F.logsigmoid(torch.randn(shape, device=q.device) + 3))

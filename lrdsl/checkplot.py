@@ -19,9 +19,9 @@ from dataclasses import replace
 import numpy as np
 import sympy as sp
 
-from lrdsl.frontend import ir
 from lrdsl.checks import witness
 from lrdsl.errors import LrdslError
+from lrdsl.frontend import ir
 
 HEADS = 8  # heads drawn when the transition depends on the head index
 FAR = 1e6  # horizons beyond this many tokens are drawn as "never"
@@ -97,6 +97,7 @@ def draw(mixer, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from lrdsl.frontend.printer import transition
     m, facts = mixer.ir, mixer.check()
     rows = per_head(m)

@@ -269,8 +269,8 @@ def cmd_compile(args) -> int:
     import os
     from pathlib import Path
 
-    from lrdsl.errors import LrdslError
     from lrdsl.codegen.generate import generate
+    from lrdsl.errors import LrdslError
     from lrdsl.runtime.loader import write_atomic
     m = _load(args.spec, check_stability=True)
     source = generate(m.ir) + FORWARD_ONLY

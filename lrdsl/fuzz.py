@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lrdsl.errors import LrdslError
-from lrdsl.testing import GATE_GRAD_FACTOR, TOL, _QKVH, Case, case_tolerance, check_case, implementations, snippet
+from lrdsl.testing import _QKVH, GATE_GRAD_FACTOR, TOL, Case, case_tolerance, check_case, implementations, snippet
+
 
 # ---- the Hypothesis driver -------------------------------------------------------------------
 def cases(max_T: int = 70, min_KV: int = 16, max_KV: int = 32):

@@ -291,7 +291,7 @@ class Layer(nn.Module):
         after the last token. With a cache: go on from it (one or several tokens): under
         torch.no_grad() (or with nothing requiring grad) through mixer.step, which updates the
         cache in place; else through mixer.chunk from the cache's state (differentiable)."""
-        N = self._check_call(x, cache, cu_seqlens)
+        self._check_call(x, cache, cu_seqlens)
         ir = self.mixer.ir
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.int32)

@@ -7,13 +7,13 @@ the generated chain rule of key-channel auxiliary states (autograd.aux_chain_rul
 get it, and (slow) the same comparisons with the PyTorch chain rule made to fail if called, and
 that it makes no token-sized tensor on the host."""
 import pytest
+import test_backward
+import test_state
 import torch
 
 import lrdsl.runtime.autograd as ag
-from lrdsl.testing import rms_ratio
 from lrdsl.runtime.scan import first_order_scan_triton
-import test_backward
-import test_state
+from lrdsl.testing import rms_ratio
 
 
 def _loop(a, b):
@@ -111,8 +111,9 @@ def test_generated_aux_chain_rule_makes_no_token_sized_tensor_on_the_host(compil
     backward's scan, the write and the decay's gradient in the chain kernel): no aten op outside
     a kernel launch makes a tensor of B*T*HV*K elements (allocations for the kernels aside), while
     the gradients still match the reference."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     import triton.runtime.interpreter as interp
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from lrdsl.testing import Case
     case = Case(B=2, T=40, H=2, HV=2, K=16, V=16, initial_state=True, seed=5)
     full = case.B * case.T * case.HV * case.K

@@ -26,11 +26,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from specgen import axis_specs, default_first, example_params, kernel_examples
+from test_recurrent import general_kernels
 
 import lrdsl
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from specgen import axis_specs, default_first, example_params, kernel_examples
-from test_recurrent import general_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)

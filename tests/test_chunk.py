@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import triton
 import triton.language as tl
 from hypothesis import HealthCheck, given, settings
+from specgen import axis_specs, default_first, example_params
+from test_recurrent import CASES, DEVICE, EXAMPLES, PoisonTorch, chunk_modules, small_cases, state_parts
 
 import lrdsl
 from lrdsl.testing import TOL, Case, check_case, draw_inputs, rms_ratio
-
-import pytest
-from specgen import axis_specs, default_first, example_params
-from test_recurrent import CASES, DEVICE, EXAMPLES, PoisonTorch, chunk_modules, small_cases, state_parts
 
 
 def reference(mixer, x, opts):
@@ -215,6 +214,7 @@ def test_wy_stage_value_tiles_past_the_first(name, early, compiled, monkeypatch)
     The interpreter runs each tuning space's first config, whose tile covers the other tests' values;
     this one takes 16-wide tiles."""
     import triton
+
     from lrdsl.codegen.plan import plan
     mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
     assert bool(plan(mixer.ir).raw_wy) == (early is None) == plan(mixer.ir).solve_wy_fused
@@ -277,6 +277,7 @@ def test_state_pass_split_over_key_channels(name, compiled):
     """Without an erase the state pass may split the state's rows over programs (plan.state_split_k):
     three slices of 16 key channels, the last one partial, give the reference's outputs and state."""
     import triton
+
     from lrdsl.codegen.plan import plan
     mixer = compiled(next(p for p in EXAMPLES if p.stem == name))
     assert plan(mixer.ir).state_split_k

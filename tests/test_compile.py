@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from specgen import kernel_examples
 
 import lrdsl
-from specgen import kernel_examples
 from lrdsl import cli
 from lrdsl.runtime import loader as runtime
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio

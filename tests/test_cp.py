@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from specgen import kernel_examples
 
 import lrdsl
 from lrdsl.errors import InputError
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from specgen import kernel_examples
 
 EXAMPLES = {p.stem: p for p in kernel_examples()}
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,6 +133,7 @@ def worker(rank, world, jobs, out_dir, backend="gloo"):
 def job(rank, world, spec, split: Split, device) -> dict:
     """This rank's o, final states of the sequences ending on it, gradients and local chunk calls."""
     import torch.distributed as dist
+
     from lrdsl.runtime.cp import pieces
     case = split.case
     mixer = lrdsl.compile(spec, check_stability=False)  # the parent checked it

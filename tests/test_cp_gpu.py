@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cp import SPECS, Split, check
 
 from lrdsl.testing import Case
-from test_cp import SPECS, Split, check
 
 pytestmark = pytest.mark.gpu
 

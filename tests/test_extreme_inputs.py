@@ -6,9 +6,9 @@ the rest of the sequence into nan. Forward and backward must match the float64 r
 """
 import pytest
 import torch
+from test_recurrent import DEVICE, EXAMPLES, state_parts
 
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from test_recurrent import DEVICE, EXAMPLES, state_parts
 
 MIXERS = ["gated_deltanet", "mamba2", "gla", "kda", "precond_deltanet", "kda_decay_after_erase"]
 

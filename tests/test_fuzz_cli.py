@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from specgen import kernel_examples
 
 import lrdsl
-from specgen import kernel_examples
 import lrdsl.api
 from lrdsl import cli
-from lrdsl.testing import Case, draw_inputs, rms_ratio, snippet
 from lrdsl.fuzz import run_fuzz
+from lrdsl.testing import Case, draw_inputs, rms_ratio, snippet
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)

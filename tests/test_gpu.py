@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from specgen import kernel_examples
 
 import lrdsl
 from lrdsl.frontend.params import sample
-from specgen import kernel_examples
 
 EXAMPLES = [str(p) for p in kernel_examples()]  # every example but the offline solve
 RESULTS = []

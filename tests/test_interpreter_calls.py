@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import interpreter_calls
 import pytest
 import torch
 import triton.language as tl
 
-import interpreter_calls
 import lrdsl
 from lrdsl.testing import Case, draw_inputs
 

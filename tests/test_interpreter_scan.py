@@ -3,12 +3,11 @@ as the interpreter's own element-by-element scan: first-order and non-commutativ
 functions, along either axis of a block, a 1-D block, forwards and reversed."""
 from __future__ import annotations
 
+import interpreter_scan
 import pytest
 import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction as interpreted  # also where kernels compile
-
-import interpreter_scan
 
 
 @interpreted

@@ -450,9 +450,9 @@ def test_fuzz_covers_offline_solves_with_cgs_tolerance(compiled):
     """lrdsl fuzz runs recurrent, chunk and the chunk gradients of offline solves; each case's
     tolerance is CG's (cg_tolerance) from a condition-number bound of that case (kappa_bound),
     which is at least the true condition number."""
-    from lrdsl.testing import Case, draw_inputs
     from lrdsl.fuzz import run_fuzz
     from lrdsl.runtime.offline import cg_tolerance, kappa_bound
+    from lrdsl.testing import Case, draw_inputs
     assert cg_tolerance(30, 16, 100.0, 1e-4) == 1e-4  # steps >= K: rounding only, 16 eps 100 < 1e-4
     assert cg_tolerance(30, 16, 1e5, 1e-4) == pytest.approx(16 * 2 ** -24 * 1e5)
     assert cg_tolerance(3, 16, 100.0, 1e-4) > 0.1  # 3 steps of 16: CG's rate dominates

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_recurrent import general_kernels
 
 from lrdsl import cli, mqar
-from test_recurrent import general_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--seq-lens", "16", "--pairs", "2,4", "--vocab", "32", "--d-model", "32", "--heads", "1",

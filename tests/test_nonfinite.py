@@ -16,11 +16,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from specgen import axis_specs
+from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules, general_kernels, state_parts
 
 import lrdsl
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from specgen import axis_specs
-from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules, general_kernels, state_parts
 
 OFFLINE = EXAMPLES[0].parent / "mesa.lr"  # the offline solve's own kernels
 MIXERS = {  # name: (spec, compile options); "-general": the general kernels (general_kernels), kept

@@ -7,13 +7,19 @@ without any test failing) and every chunk from it on must be flagged.
 import functools
 
 import pytest
+import test_nonfinite
 import torch
+from test_nonfinite import (  # noqa: F401 (semantics: a fixture)
+    check_causal,
+    check_earlier_dq,
+    semantics,
+    spec_path,
+    spoil,
+)
+from test_recurrent import DEVICE, general_kernels
 
 import lrdsl
-import test_nonfinite
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from test_nonfinite import check_causal, check_earlier_dq, semantics, spec_path, spoil  # noqa: F401 (semantics: a fixture)
-from test_recurrent import DEVICE, general_kernels
 
 pytestmark = test_nonfinite.pytestmark + [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 

@@ -17,15 +17,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
-import lrdsl
-from lrdsl.frontend import printer
-from lrdsl.errors import InputError, SpecError
-from lrdsl.frontend import spec_to_ir
-from lrdsl.testing import Case, draw_inputs, rms_ratio
-from lrdsl.frontend.params import sample
 from specgen import default_first
 from test_backward import ROOT, TOL_QKV, compare, describe, grad_cases
+
+import lrdsl
+from lrdsl.errors import InputError, SpecError
+from lrdsl.frontend import printer, spec_to_ir
+from lrdsl.frontend.params import sample
+from lrdsl.testing import Case, draw_inputs, rms_ratio
 
 GATES = ROOT / "examples" / "gated_deltanet_gates.lr"
 SPECS = {

@@ -17,12 +17,11 @@ import sympy as sp
 import torch
 
 import lrdsl
-from lrdsl.frontend import primitives, printer
 from lrdsl.checks.checker import check
-from lrdsl.errors import SpecError
-from lrdsl.frontend import spec_to_ir
-from lrdsl.testing import Case, check_case
 from lrdsl.checks.ranges import Ranges
+from lrdsl.errors import SpecError
+from lrdsl.frontend import primitives, printer, spec_to_ir
+from lrdsl.testing import Case, check_case
 
 # each primitive in a staged spec (scalar decay, erase key = write key: the generated chain rule)
 # in the log decay, the gain and the write value; b, c in (0, 1), a, x, y unbounded, w a [V] gate

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import sympy as sp
 
-from lrdsl.frontend import ir
 from lrdsl.checks.checker import check
-from lrdsl.frontend import spec_to_ir
 from lrdsl.checks.ranges import Ranges
+from lrdsl.frontend import ir, spec_to_ir
 
 INPUTS = "input q[K], k[K] l2norm, v[V], b in (0, 1), c in (0, 1), a, x, dt in (-1, 1), y in [-2, 3]"
 BOX = {"b": (0, 1), "c": (0, 1), "a": (-6, 6), "x": (-30, 30), "dt": (-1, 1), "y": (-2, 3)}

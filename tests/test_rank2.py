@@ -9,15 +9,15 @@ import dataclasses
 
 import pytest
 import torch
+from test_backward import count_launches
+from test_chunk import check_fp16, reference
+from test_nonfinite import check_causal, spoil
+from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules
 
 import lrdsl
 from lrdsl.api import Mixer
 from lrdsl.codegen.plan import plan
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from test_backward import count_launches
-from test_chunk import check_fp16, reference
-from test_nonfinite import check_causal, spoil
-from test_recurrent import DEVICE, EXAMPLES, PoisonTorch, chunk_modules
 
 NATIVE = ("rank2_pairs_kernel", "rank2_solve_kernel", "rank2_state_kernel", "rank2_output_kernel")
 # a decay per token after the erase: the frontend writes it in left order (a number commutes with

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from specgen import axis_specs, default_first, example_params, kernel_examples
 
 import lrdsl
 from lrdsl.testing import TOL, Case, check_case, draw_inputs, rms_ratio
-from specgen import axis_specs, default_first, example_params, kernel_examples
 
 EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)
 DEVICE = "cuda" if os.environ.get("LRDSL_TEST_DEVICE") == "cuda" else "cpu"

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import lrdsl
-from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from lrdsl.codegen.split import interleave, phases, split_ir
 from test_backward import compare
 from test_recurrent import DEVICE, EXAMPLES
+
+import lrdsl
+from lrdsl.codegen.split import interleave, phases, split_ir
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 
 SPECS = Path(__file__).resolve().parent / "specs"  # erase_other.lr, right_scalar.lr: a != u
 OTHER_DIRECTION = (SPECS / "erase_other.lr").read_text()

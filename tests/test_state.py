@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_recurrent import DEVICE, EXAMPLES, general_kernels
 
 import lrdsl
-from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from lrdsl.testing import case_tolerance
-
-from test_recurrent import DEVICE, EXAMPLES, general_kernels
+from lrdsl.testing import TOL, Case, case_tolerance, draw_inputs, rms_ratio
 
 AUX_EXAMPLES = [p for p in EXAMPLES if lrdsl.compile(p, load_kernels=False, check_stability=False).ir.aux]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from lrdsl.frontend import ir
 from lrdsl.checks.ranges import Ranges
+from lrdsl.frontend import ir
 from lrdsl.frontend.symbolic import simplified
 
 HORIZON = 4096  # tokens at which a growing Gram state is evaluated

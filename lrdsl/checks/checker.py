@@ -16,9 +16,9 @@ import math
 
 import sympy as sp
 
-from lrdsl.frontend import ir, printer
 from lrdsl.checks import witness
 from lrdsl.checks.ranges import FULL, INF, TOL, Ranges, _meet, _mul
+from lrdsl.frontend import ir, printer
 from lrdsl.frontend.symbolic import simplified
 
 PROVED, DISPROVED, UNKNOWN = "proved", "disproved", "unknown"
@@ -191,7 +191,7 @@ def _as_bool(status: str, yes: str = PROVED):
 
 def check(mixer: ir.Mixer) -> dict:
     an = analyse(mixer)
-    notes, eig, enclosed, D = list(an["notes"]), an["eig"], an["proved"], an["D"]
+    notes, eig, enclosed = list(an["notes"]), an["eig"], an["proved"]
     num = witness.numeric(mixer)
     facts, wits = {}, {}
 

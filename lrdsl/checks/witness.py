@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import sympy as sp
 
-from lrdsl.frontend import ir, primitives
 from lrdsl.checks.ranges import INF
+from lrdsl.frontend import ir, primitives
 
 PREFIXES = np.array([0, 1, 2, 3, 5, 8, 13, 21, 34])  # prefix lengths drawn when there are aux states
 REPLAY_GROWTH = 1e4  # a cycle's replay must grow the state this much ...

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from lrdsl.frontend import ir, primitives
-
 from lrdsl.codegen.texpr import code, number, var
+from lrdsl.frontend import ir, primitives
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from lrdsl.frontend import ir, printer
+from lrdsl.codegen.chain import Chain, chain
 from lrdsl.codegen.split import not_staged as _not_staged
 from lrdsl.codegen.split import split_ir
-from lrdsl.frontend.symbolic import simplified
-
-from lrdsl.codegen.chain import Chain, chain
 from lrdsl.codegen.texpr import code, number, var
+from lrdsl.frontend import ir, printer
+from lrdsl.frontend.symbolic import simplified
 
 
 @dataclass(frozen=True)

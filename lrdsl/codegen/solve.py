@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from lrdsl.frontend import ir
-from lrdsl.errors import LrdslError
-
 from lrdsl.codegen.chain import chain
 from lrdsl.codegen.plan import Plan, plan
 from lrdsl.codegen.texpr import code, var
+from lrdsl.errors import LrdslError
+from lrdsl.frontend import ir
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lrdsl.frontend.desugar import solve_steps
 from lrdsl.errors import SpecError
+from lrdsl.frontend.desugar import solve_steps
 from lrdsl.frontend.ir import Mixer
 from lrdsl.frontend.lower import lower
 from lrdsl.frontend.syntax import MAX_BYTES, parse

@@ -12,7 +12,29 @@ from __future__ import annotations
 from fractions import Fraction
 
 from lrdsl.errors import SpecError
-from lrdsl.frontend.syntax import (Allow, AxisDecay, AxisGain, AxisNormalize, AxisPrecond, AxisSolve, BinOp, Call, Decl, Inputs, Let, Neg, Num, Params, Range, Readout, Spec, StateDecl, Transpose, Update, Var)
+from lrdsl.frontend.syntax import (
+    Allow,
+    AxisDecay,
+    AxisGain,
+    AxisNormalize,
+    AxisPrecond,
+    AxisSolve,
+    BinOp,
+    Call,
+    Decl,
+    Inputs,
+    Let,
+    Neg,
+    Num,
+    Params,
+    Range,
+    Readout,
+    Spec,
+    StateDecl,
+    Transpose,
+    Update,
+    Var,
+)
 
 AXES = (AxisDecay, AxisGain, AxisPrecond, AxisSolve, AxisNormalize)
 EXPLICIT = (StateDecl, Update, Readout)

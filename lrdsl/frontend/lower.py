@@ -15,13 +15,29 @@ import sys
 
 import sympy as sp
 
+from lrdsl.errors import SpecError
 from lrdsl.frontend import ir, primitives
 from lrdsl.frontend.desugar import desugar
-from lrdsl.errors import SpecError
-from lrdsl.frontend.symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
 from lrdsl.frontend.params import declared_range, lower_params
-from lrdsl.frontend.values import Gram, GramInv, Mat, Out, Row, St, StT, Val, describe as _desc
-from lrdsl.frontend.syntax import (Allow, BinOp, Call, Inputs, Let, Neg, Num, Params, Readout, Spec, StateDecl, Transpose, Update, Var)
+from lrdsl.frontend.symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
+from lrdsl.frontend.syntax import (
+    Allow,
+    BinOp,
+    Call,
+    Inputs,
+    Let,
+    Neg,
+    Num,
+    Params,
+    Readout,
+    Spec,
+    StateDecl,
+    Transpose,
+    Update,
+    Var,
+)
+from lrdsl.frontend.values import Gram, GramInv, Mat, Out, Row, St, StT, Val
+from lrdsl.frontend.values import describe as _desc
 
 RESERVED = {"S", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
             "mixer", "input", "param", "state", "let", "allow", "decay", "gain", "precond", "solve", "normalize",

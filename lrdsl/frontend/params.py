@@ -14,8 +14,8 @@ from fractions import Fraction
 
 import sympy as sp
 
-from lrdsl.frontend import ir
 from lrdsl.errors import InputError, SpecError
+from lrdsl.frontend import ir
 
 # Mamba-2's initialisation (what FLA's layers do): A = exp(A_log) uniform in [1, 16] per head,
 # dt = softplus(dt_bias) log-uniform in [1e-3, 1e-1]. Any other param starts at 0.

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sympy as sp
 
-from lrdsl.frontend import ir
 from lrdsl.errors import SpecError
+from lrdsl.frontend import ir
 
 MAX_SIMPLIFY_NESTING = 3  # deeper expressions get only the cheap rewrites
 

@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from lrdsl.frontend import ir
 from lrdsl.codegen.plan import Plan
+from lrdsl.frontend import ir
 from lrdsl.runtime.reference import prepare_inputs, to_torch
 from lrdsl.runtime.scan import first_order_scan_triton, scan_backward
 from lrdsl.runtime.tensors import Batch

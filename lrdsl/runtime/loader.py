@@ -15,8 +15,8 @@ import warnings
 from pathlib import Path
 
 from lrdsl._version import __version__
-from lrdsl.frontend import ir, printer
 from lrdsl.codegen.generate import generate
+from lrdsl.frontend import ir, printer
 from lrdsl.runtime import tuning
 
 

@@ -166,7 +166,7 @@ class ChunkFunction(torch.autograd.Function):
     def backward(ctx, do, dST=None, dGT=None, *daux):
         stored = ctx.saved_tensors
         tensors, aux0 = stored[:ctx.n], (list(stored[ctx.n:]) if ctx.aux_dtypes else None)
-        m, batch = ctx.mixer.ir, ctx.batch
+        batch = ctx.batch
         inputs = dict(zip(ctx.names, (t.contiguous() for t in tensors)))
         if do is None:
             do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)

@@ -12,6 +12,7 @@ import torch
 from lrdsl.frontend import ir, primitives
 from lrdsl.runtime.tensors import L2NORM_EPS, Batch, MixerState, compute_dtype
 
+
 def to_torch(e: sp.Expr):
     """Compile a sympy expression into a function of an environment {name: tensor}."""
     if isinstance(e, sp.Symbol):

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from lrdsl.frontend import ir
 from lrdsl.errors import InputError
+from lrdsl.frontend import ir
 
 if TYPE_CHECKING:
     import torch  # imported lazily: `lrdsl show` and `lrdsl check` need no torch (1 s of start-up)
