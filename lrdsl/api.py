@@ -24,6 +24,7 @@ class Mixer:
         self._kernels = None
         self._op = None
         self._split = None
+        self._parts_cache = None
         self.source = source
         self.filename = filename
 
@@ -52,7 +53,11 @@ class Mixer:
         import importlib.util
         if importlib.util.find_spec("triton") is None:
             return
-        if self.ir.solve_lam is None:
+        if self.ir.reads_before:  # the parts' kernels: this readout runs around them
+            for part in self._parts[:2]:
+                if part is not None:
+                    part._load_kernels()
+        elif self.ir.solve_lam is None:
             self.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
             if self.split is not None:  # and the split spec's, which chunk runs where it can
                 self.split.chunk_op  # noqa: B018
@@ -99,8 +104,24 @@ class Mixer:
         return copy.deepcopy(self._facts)
 
     @property
+    def _parts(self) -> tuple:
+        """(the mixer reading S^T x, the one whose shifted readout gives S_prev^T y, {shifted input:
+        input}) of a spec whose readout reads before the update (codegen/readouts.py)."""
+        if self._parts_cache is None:
+            from lrdsl.codegen.readouts import core_ir, prev_ir
+            prev, shifted = prev_ir(self.ir)
+            self._parts_cache = tuple(None if m is None else Mixer(m, keep_intermediates=self.keep_intermediates,
+                                                                   check_ranges=False)
+                                      for m in (core_ir(self.ir), prev)) + (shifted,)
+        return self._parts_cache
+
+    @property
     def kernels(self):
-        """The generated module (kernels and host wrappers), loaded from the on-disk cache."""
+        """The generated module (kernels and host wrappers), loaded from the on-disk cache. For a
+        readout with S_prev or dot-product terms: the module of its first part (lrdsl.Mixer runs
+        the readout around the parts' kernels)."""
+        if self.ir.reads_before:
+            return next(p for p in self._parts[:2] if p is not None).kernels
         if self._kernels is None:  # not a cached_property: its lock breaks torch.compile graphs
             from lrdsl.runtime.loader import load
             self._kernels = load(self.ir)
@@ -134,6 +155,8 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.recurrent(self, batch)
+        if self.ir.reads_before:
+            return self._with_before("recurrent", batch, initial_state)
         if self._whole_state(batch):
             from lrdsl.runtime.autograd import host_args
             names = list(self.ir.tensor_names)
@@ -187,6 +210,8 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.step(self, q, k, v, state, scale, inputs)
+        if self.ir.reads_before:
+            return self._step_before(q, k, v, state, scale, inputs)
         whole = state
         if isinstance(state, MixerState):
             state = state.S
@@ -240,6 +265,8 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
+        if self.ir.reads_before:
+            return self._with_before("chunk", batch, initial_state)
         if self._native_rank2(batch):
             return self._chunk_rank2(batch)
         # the split's staged kernels, keeping their intermediates too with keep_intermediates (the split
@@ -251,6 +278,79 @@ class Mixer:
         if batch.initial_aux is not None or self.keep_intermediates or eager(tensors):
             return self._chunk_eager(batch, tensors)
         return self._chunk_tensors(batch, tensors)
+
+    def _with_before(self, method: str, batch, initial_state):
+        """chunk or recurrent of a readout with S_prev or dot-product terms: the parts' kernels, the
+        S_prev part moved one token later, the dot products beside (runtime/readouts.py)."""
+        import torch
+
+        from lrdsl.runtime import readouts
+        from lrdsl.runtime.tensors import compute_dtype
+        core, prev, shifted = self._parts
+        t, cu = dict(batch.tensors), batch.cu_seqlens
+        opts = dict(scale=batch.scale, initial_state=initial_state, cu_seqlens=cu)
+        o = final = None
+        if core is not None:
+            o, final = getattr(core, method)(**t, output_final_state=batch.output_final_state, **opts)
+        if prev is not None:
+            tp = dict(t, **{new: readouts.shift_next(t[old], cu) for new, old in shifted.items()})
+            o_p, f_p = getattr(prev, method)(**tp, output_final_state=batch.output_final_state and final is None,
+                                             **opts)
+            first = self._first(batch, t, batch.initial_state, cu)
+            o_p = readouts.shift_back(o_p, first, cu)
+            o, final = (o_p if o is None else o + o_p), (f_p if final is None else final)
+        extra = readouts.before_terms(self.ir, t, batch.H, batch.HV, batch.scale, compute_dtype(batch))
+        if isinstance(extra, torch.Tensor):
+            o = (o.to(extra.dtype) + extra).to(o.dtype)
+        return o, final
+
+    def _first(self, batch, t, S0, cu):
+        """S0^T (scale * y) at each sequence's first token, [B or N, HV, V]."""
+        import torch
+
+        from lrdsl.runtime import readouts
+        from lrdsl.runtime.tensors import compute_dtype
+        if S0 is None:
+            return torch.zeros(batch.N, batch.HV, batch.V, device=t["q"].device, dtype=compute_dtype(batch))
+        return readouts.first_readout(self.ir, t, batch.H, batch.HV, batch.scale, S0, cu, compute_dtype(batch))
+
+    def _step_before(self, q, k, v, state, scale, inputs):
+        """step of a readout with S_prev or dot-product terms: S_prev^T y of the first token is read
+        from the state before any kernel updates it in place."""
+        import torch
+
+        from lrdsl.runtime import readouts
+        from lrdsl.runtime.tensors import MixerState, compute_dtype
+        core, prev, shifted = self._parts
+        part = core or prev
+        batch = self._validate(q, k, v, inputs, scale, state, True, None)
+        t = dict(batch.tensors)
+        T = q.shape[1]
+        o = None
+        if prev is not None:
+            S = state.S if isinstance(state, MixerState) else state
+            if not isinstance(S, torch.Tensor):
+                return part.step(q, k, v, state, scale, **inputs)  # its own clear error
+            first = self._first(batch, t, S, None)
+            if T == 1:
+                o = first[:, None]
+            else:
+                snap = state if core is None else (
+                    MixerState(state.S.clone(), {n: a.clone() for n, a in state.aux.items()})
+                    if isinstance(state, MixerState) else state.clone())
+                tp = dict(t, **{new: readouts.shift_next(t[old], None) for new, old in shifted.items()})
+                tp = {n: x for n, x in tp.items() if n not in ("q", "k", "v")}
+                o = readouts.shift_back(prev.step(t["q"], t["k"], t["v"], snap, batch.scale, **tp), first, None)
+        if core is not None:
+            rest = {n: x for n, x in t.items() if n not in ("q", "k", "v")}
+            o_c = core.step(t["q"], t["k"], t["v"], state, batch.scale, **rest)
+            o = o_c if o is None else o.to(o_c.dtype) + o_c
+        elif T == 1:  # the state still moves on: the prev part's step (its output is not read)
+            tp = {n: x for n, x in t.items() if n not in ("q", "k", "v")}
+            tp.update({new: t[old] for new, old in shifted.items()})
+            prev.step(t["q"], t["k"], t["v"], state, batch.scale, **tp)
+        extra = readouts.before_terms(self.ir, t, batch.H, batch.HV, batch.scale, compute_dtype(batch))
+        return (o.to(extra.dtype) + extra).to(v.dtype) if isinstance(extra, torch.Tensor) else o.to(v.dtype)
 
     @property
     def split(self):
@@ -419,10 +519,7 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
     if isinstance(text, bytes):
         source = text.decode("utf-8")  # spec_to_ir succeeded, so it is UTF-8
     from lrdsl.checks.checker import domain_error
-    from lrdsl.frontend.lower import inverse_decay_error
-    # a transition that needs the decay's inverse is refused with the checker's refusals: `lrdsl
-    # show` and `lrdsl check` (check_stability=False) still print its reading and analysis
-    bad = (check_stability and inverse_decay_error(m)) or domain_error(m)
+    bad = domain_error(m)
     if bad:
         raise SpecError(bad[0], bad[1], source, filename)
     mixer = Mixer(m, source, filename, keep_intermediates, check_ranges)

@@ -207,6 +207,9 @@ def cmd_show(args) -> int:
     print(m.canonical(), end="")
     print("\n# kernels")
     print(kernels_text(m.ir), end="")
+    if m.ir.reads_before:
+        print("readout    S_prev^T y and dot products around the kernels (lrdsl/codegen/readouts.py): the\n"
+              "           kernels of S^T x and of S^T y with y read one token later, the dot products in PyTorch")
     return 0
 
 
@@ -256,10 +259,6 @@ def cmd_check(args) -> int:
     if args.plot:  # drawn for a refused spec too: that picture says why
         checkplot.draw(m, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
-    from lrdsl.frontend.lower import inverse_decay_error
-    inverse = inverse_decay_error(m.ir)
-    if inverse:
-        raise SpecError(inverse[0], inverse[1], m.source, m.filename)
     if msg:
         raise SpecError(msg, m.ir.error_span(facts), m.source, m.filename)
     return 0
@@ -273,6 +272,11 @@ def cmd_compile(args) -> int:
     from lrdsl.errors import LrdslError
     from lrdsl.runtime.loader import write_atomic
     m = _load(args.spec, check_stability=True)
+    if m.ir.reads_before:
+        from lrdsl.errors import SpecError
+        raise SpecError("`lrdsl compile` writes a module of kernels that read S^T x; this readout's S_prev^T and "
+                        "dot-product terms run in lrdsl.Mixer around them: use lrdsl.compile(spec) in Python",
+                        m.ir.readout_span, m.source, m.filename)
     source = generate(m.ir) + FORWARD_ONLY
     path = Path(args.output) / f"{m.name}.py"
     _refuse_shadowing(m.name, path)

@@ -166,20 +166,25 @@ def test_a_constant_in_front_of_the_transition_keeps_strong_decays_finite(name):
     assert not bad, f"chunk: {bad}"
 
 
-def test_a_transition_that_needs_the_inverse_decay_is_refused(tmp_path):
+def test_a_transition_that_would_need_the_inverse_decay_keeps_its_additive_form(tmp_path):
     """M = D - beta k k^T with D per key channel is (I - a c^T) D only with c = k exp(-g), and
-    D (I - a c^T) only with a = beta k exp(-g): both divide by the decay, so the spec is refused."""
-    import lrdsl
-    text = ("mixer m\ninput q[K] l2norm, k[K] l2norm, v[V], g[K] log, beta in (0, 1)\n"
-            "S = diag(exp(g)) S - beta k k^T S + beta k v^T\no = S^T q\n")
-    with pytest.raises(lrdsl.SpecError, match="only with the decay's inverse") as e:
-        lrdsl.compile(text=text, load_kernels=False)
-    assert str(e.value).startswith("<spec>:3:1: error:")
-    # `lrdsl check` prints the checker's analysis of M = D - x y^T, then refuses (exit 1, no traceback)
+    D (I - a c^T) only with a = beta k exp(-g): both divide by the decay, so the lowering keeps M as
+    written, D - a c^T (order "sum"), whose a and c hold no exp(-g); `lrdsl check` proves it stable."""
     import subprocess
     import sys
+
+    import sympy as sp
+
+    from lrdsl.frontend import spec_to_ir
+    text = ("mixer m\ninput q[K] l2norm, k[K] l2norm, v[V], g[K] log, beta in (0, 1)\n"
+            "S = diag(exp(g)) S - beta k k^T S + beta k v^T\no = S^T q\n")
+    m = spec_to_ir(text)
+    assert m.delta.order == "sum"
+    g = sp.Symbol("g", real=True)
+    for x in (m.delta.a, m.delta.c):
+        assert g not in x.free_symbols, x
     path = tmp_path / "m.lr"
     path.write_text(text)
     run = subprocess.run([sys.executable, "-m", "lrdsl.cli", "check", str(path)], capture_output=True, text=True)
-    assert run.returncode == 1 and "M = D - x y^T" in run.stdout
-    assert "only with the decay's inverse" in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 0 and "M = D - a c^T" in run.stdout, run.stdout + run.stderr
+    assert "stable                proved" in run.stdout

@@ -120,7 +120,7 @@ case("outer_times_outer", spec(*L), at(L, 3, "(k k^T) (k"), "two outer products"
 L = ["mixer m", "input q[K], k[K], v[V], a[K]", "S = (I - k k^T - a a^T) S + k v^T", "o = S^T q"]
 case("rank2_transition", spec(*L), (3, 1), "2 independent rank-1 terms")
 L = [*HEAD, "S = (k^T q) S + k v^T", "o = S^T q"]
-case("dot_product", spec(*L), at(L, 3, "k^T q"), "dot product")
+case("dot_product", spec(*L), at(L, 3, "(k^T q)"), "dot product")
 L = ["mixer m", "input q[K], k[K], v[V], g[V] log", "S = diag(exp(g)) S + k v^T", "o = S^T q"]
 case("value_decay_diag", spec(*L), at(L, 3, "diag"), "diag", "[V] vector")
 L = ["mixer m", "input q[K], k[K], v[V], g[V] log", "S = exp(g) S + k v^T", "o = S^T q"]

@@ -70,9 +70,12 @@ def analyse(mixer: ir.Mixer) -> dict:
         out.update(eig=D, proved=True)
         return out
     a, c = (mixer.inline_lets(x) for x in (mixer.delta.a, mixer.delta.c))
-    out.update(a=a, c=c)
-    shape = "(I - a c^T) D" if mixer.delta.order == "left" else "D (I - a c^T)"
+    shape = {"left": "(I - a c^T) D", "right": "D (I - a c^T)", "sum": "D - a c^T"}[mixer.delta.order]
     notes.append(f"M = {shape} with a = {mixer.delta.a}, c = {mixer.delta.c}, D = {d} ({dname}).")
+    if mixer.delta.order == "sum":  # the same M as (I - a (c/d)^T) D: the proofs below read that form
+        c = c / d
+        notes.append(f"That is (I - a c'^T) D with c' = {c}; the kernels compute D - a c^T as written.")
+    out.update(a=a, c=c)
     out["symmetric"] = not _per_channel(mixer, simplified(a / c))
     # c^T a = sum_i w_i u_i^2 with |u| = 1 is a convex combination of the w_i: the whole trick
     for u in (i for i in mixer.inputs if i.unit):
@@ -114,9 +117,12 @@ def analyse(mixer: ir.Mixer) -> dict:
         proved = False
     sym = _symmetric_form(mixer, rg, d, a, c, D, u.symbol)
     if sym is not None:
-        out["xy"], sym = sym[2], sym[:2]
-        xy = "x = a, y = D c" if mixer.delta.order == "left" else "x = D a, y = c"
-        notes.append(f"M = D - x y^T with x a per-head multiple of y ({xy}), so M is symmetric, and by its "
+        out["xy"], out["sym_is_symmetric"], sym = sym[3], sym[2], sym[:2]
+        xy = {"left": "x = a, y = D c", "right": "x = D a, y = c", "sum": "x = a, y = c"}[mixer.delta.order]
+        how = ("x a per-head multiple of y ({xy}), so M is symmetric" if out["sym_is_symmetric"] else
+               "every x_i y_i of one sign ({xy}), so M is similar (by diag(sqrt(|y_i / x_i|))) to the symmetric "
+               "D - z z^T with z_i^2 = x_i y_i").format(xy=xy)
+        notes.append(f"M = D - x y^T with {how}, and by its "
                      f"Rayleigh quotients its eigenvalues lie in {_iv(sym)} (min D - max(0, x^T y) to "
                      f"max D - min(0, x^T y), x^T y a convex combination of the values of D*c*a/{u.name}^2).")
         eig, proved = ((max(eig[0], sym[0]), min(eig[1], sym[1])) if proved else sym), True
@@ -129,15 +135,20 @@ def _symmetric_form(mixer, rg, d, a, c, D, u):
     as diag(d) - beta k k^T and D^1/2 (I - beta k k^T) D^1/2 are; None otherwise. For a unit z,
     z^T M z = z^T D z - lam (y^T z)^2, and lam (y^T z)^2 lies between 0 and lam |y|^2 = x^T y =
     sum_i d_i a_i c_i, a convex combination of the values of d a c / u^2 (u the unit input)."""
-    x, y = (a, d * c) if mixer.delta.order == "left" else (d * a, c)
+    x, y = (d * a, c) if mixer.delta.order == "right" else (a, d * c)  # "sum": c is c'/d here
     lam = simplified(x / y)
-    if lam.has(sp.nan, sp.zoo) or _per_channel(mixer, lam):
+    if lam.has(sp.nan, sp.zoo):
         return None
     dw = simplified(d * a * c / u ** 2)
     if dw.has(u):
         return None
     lo, hi = _meet(rg.of(dw), rg.of(d * a * c / u ** 2))  # as written, and simplified
-    return D[0] - max(0.0, hi), D[1] - min(0.0, lo), dw
+    # x_i y_i = dw u_i^2: where it keeps one sign, diag(sqrt(|y_i / x_i|)) makes M symmetric
+    # (RWKV-7's diag(exp(w)) - kk (a*kk)^T with a >= 0), whatever x / y is per channel
+    per_head = not _per_channel(mixer, lam)
+    if not per_head and not (lo >= 0 or hi <= 0):
+        return None
+    return D[0] - max(0.0, hi), D[1] - min(0.0, lo), per_head, dw
 
 
 
@@ -154,7 +165,7 @@ def _norm_proof(mixer: ir.Mixer, an: dict) -> str | None:
     if an["symmetric"] and an["factor"] is not None and _inside(an["factor"]) and _inside(D):
         return ("a is a per-head multiple of c, so I - a c^T is symmetric with eigenvalues in [-1, 1], "
                 "and |D| <= 1: ||M|| <= ||I - a c^T|| ||D|| <= 1.")
-    if an["sym_eig"] is not None and _inside(an["sym_eig"]):
+    if an["sym_eig"] is not None and an.get("sym_is_symmetric") and _inside(an["sym_eig"]):
         return "M is symmetric with eigenvalues in [-1, 1], so ||M|| <= 1."
     return None
 

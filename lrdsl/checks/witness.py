@@ -183,6 +183,8 @@ def _transition(num, env, n, K):
     a, c = _call(num, num.a, env, n, K), _call(num, num.c, env, n, K)
     if num.mixer.delta.order == "left":  # (I - a c^T) D
         return M - a[:, :, None] * (c * d)[:, None, :]
+    if num.mixer.delta.order == "sum":  # D - a c^T
+        return M - a[:, :, None] * c[:, None, :]
     return M - (d * a)[:, :, None] * c[:, None, :]  # D (I - a c^T)
 
 
@@ -338,6 +340,8 @@ def _apply(d, a, c, order, S):
     if order == "left":
         S = d[:, None] * S
         return S - np.outer(a, c @ S)
+    if order == "sum":
+        return d[:, None] * S - np.outer(a, c @ S)
     return d[:, None] * (S - np.outer(a, c @ S))
 
 

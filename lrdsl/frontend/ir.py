@@ -124,13 +124,24 @@ class Decay:
 class Delta:
     a: sp.Expr  # write direction of the erase (K)
     c: sp.Expr  # read direction of the erase (K)
-    order: str  # "left": (I - a c^T) D;  "right": D (I - a c^T)
+    # "left": (I - a c^T) D;  "right": D (I - a c^T);  "sum": D - a c^T (the additive DPLR form:
+    # written as (I - a c'^T) D its c' would be D^-1 c, which overflows where the decay underflows)
+    order: str
 
 
 @dataclass(frozen=True)
 class Write:
     key: sp.Expr  # K (scalar factors live here)
     value: sp.Expr  # V
+
+
+@dataclass(frozen=True)
+class Bonus:
+    """A readout term (x^T y) z: the sum over the channels of `kind` of `summand` (x*y), times the
+    [V] vector `value`."""
+    kind: str  # "K" or "V": the channels summed over
+    summand: sp.Expr
+    value: sp.Expr
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,16 @@ class Mixer:
     allow_ill_conditioned: bool = False
     update_span: Span | None = field(default=None, compare=False, hash=False)
     readout_span: Span | None = field(default=None, compare=False, hash=False)
+    # the readout's other terms: o = S^T (scale * query) + S_prev^T (scale * query_prev)
+    # + scale * sum of (x^T y) z over bonus, S_prev being the state before this token's update
+    query_prev: sp.Expr = sp.Integer(0)
+    bonus: tuple = ()  # Bonus, ...
+
+    @property
+    def reads_before(self) -> bool:
+        """The readout has terms beside S^T x (S_prev^T y, dot products): lrdsl.Mixer runs them
+        around the kernels of core (runtime/readouts.py); the kernels read S^T x alone."""
+        return self.query_prev != 0 or bool(self.bonus)
 
     def error_span(self, facts: dict) -> Span | None:
         """Where a checker's error points: the readout for an ill-posed or ill-conditioned solve,
@@ -166,9 +187,10 @@ class Mixer:
         and writes (at their lines), then the decay, write, query and erase (at the update)."""
         out = [(lt.expr, lt.span) for lt in self.lets]
         out += [(e, a.span) for a in self.aux for e in (a.decay, a.write)]
-        body = [self.decay.value, self.write.key, self.write.value, self.query]
+        body = [self.decay.value, self.write.key, self.write.value]
         body += [self.delta.a, self.delta.c] if self.delta is not None else []
-        return tuple(out + [(e, self.update_span) for e in body])
+        readout = [self.query, self.query_prev, *(e for b in self.bonus for e in (b.summand, b.value))]
+        return tuple(out + [(e, self.update_span) for e in body] + [(e, self.readout_span) for e in readout])
 
     @functools.cached_property
     def _inlined_lets(self) -> dict:

@@ -36,10 +36,10 @@ from lrdsl.frontend.syntax import (
     Update,
     Var,
 )
-from lrdsl.frontend.values import Gram, GramInv, Mat, Out, Row, St, StT, Val
+from lrdsl.frontend.values import Dot, Gram, GramInv, Mat, Out, Row, St, StPrev, StT, Val
 from lrdsl.frontend.values import describe as _desc
 
-RESERVED = {"S", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
+RESERVED = {"S", "S_prev", "G", "I", "T", "o", "h", "inf", *primitives.NAMES, "diag",
             "mixer", "input", "param", "state", "let", "allow", "decay", "gain", "precond", "solve", "normalize",
             "in", "unit", "l2norm", "shared", "none", "constant", "scalar", "diagonal", "channelwise",
             "atk", "atq", "online", "offline", "scale", "initial_state", "output_final_state",
@@ -117,6 +117,8 @@ class Lowerer:
             return Mat((("diag", sp.Integer(1)),))
         if n.name == "S":
             return St((("diag", sp.Integer(1)),), ())
+        if n.name == "S_prev":
+            return StPrev()
         if n.name == "G":
             return Gram(sp.Integer(0))
         if n.name not in self.kinds:
@@ -138,6 +140,8 @@ class Lowerer:
             return Mat(tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in x.terms))
         if isinstance(x, St) and x.carried == (("diag", 1),) and not x.writes:
             return StT()
+        if isinstance(x, StPrev) and not x.transposed:
+            return StPrev(True)
         raise SpecError(f"cannot transpose {_desc(x)}; only vectors, [K, K] matrices and S itself (in the "
                         "readout o = S^T q) can be transposed", n.span)
 
@@ -196,6 +200,11 @@ class Lowerer:
                 return Gram(g.lam + sum((t[1] for t in d.terms), sp.Integer(0)))
         if isinstance(a, Val) and isinstance(b, Val):
             return Val(_join(a.kind, b.kind, n.span, "add"), a.expr + sign * b.expr)
+        if isinstance(a, Out) and isinstance(b, Out) and a.lam is None and b.lam is None:
+            b = self.scale(b, sign, n.span)
+            return Out(a.query + b.query, None, a.prev + b.prev, a.bonus + b.bonus)
+        if isinstance(a, Dot) and isinstance(b, Dot) and a.kind == b.kind:
+            return Dot(a.kind, a.expr + sign * b.expr)
         if isinstance(a, Mat) and isinstance(b, Mat):
             return Mat(a.terms + self.scale(b, sign, n.span).terms)
         if isinstance(a, St) and isinstance(b, St):
@@ -214,6 +223,8 @@ class Lowerer:
         for s, o in ((a, b), (b, a)):
             if isinstance(s, Val) and s.kind == "scalar":
                 return self.scale(o, s.expr, n.span)
+        if isinstance(a, Dot) or isinstance(b, Dot):
+            return self.dot_times(a, b, n.span)
         raise SpecError(f"'*' is elementwise: cannot multiply {_desc(a)} by {_desc(b)}; use diag(x) for a "
                         "diagonal matrix and juxtaposition (A S, k v^T) for matrix products", n.span)
 
@@ -249,8 +260,20 @@ class Lowerer:
         if isinstance(x, St):
             return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes))
         if isinstance(x, Out):
-            return Out(s * x.query)
+            return Out(s * x.query, x.lam, s * x.prev, tuple((k, e, s * z) for k, e, z in x.bonus))
+        if isinstance(x, Dot):
+            return Dot(x.kind, s * x.expr)
         raise SpecError(f"cannot scale {_desc(x)}", span)
+
+    @staticmethod
+    def dot_times(a, b, span):
+        """A dot product times a [V] vector (either side): a term (x^T y) z of the readout."""
+        d, z = (a, b) if isinstance(a, Dot) else (b, a)
+        if isinstance(z, Val) and z.kind == "V":
+            return Out(sp.Integer(0), bonus=((d.kind, d.expr, z.expr),))
+        raise SpecError(f"a dot product x^T y is one number per token; lrdsl reads it only in the readout, "
+                        f"as a factor of a [V] vector, e.g. o = S_prev^T q + (q^T (u*k)) v; here it meets "
+                        f"{_desc(z)}", span)
 
     def op_matmul(self, a, b, n):
         span = n.span
@@ -269,9 +292,21 @@ class Lowerer:
             raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)} gives a [{a.kind}, {b.kind}] "
                             "matrix; the state is [K, V], so outer products are k k^T ([K, K], in the "
                             "transition) or k v^T ([K, V], the write)", span)
-        if isinstance(a, Row) and isinstance(b, Val):
-            raise SpecError("x^T y is a dot product (one number); lrdsl compiles transitions built from "
-                            "I, diag(...) and outer products x y^T", span)
+        if isinstance(a, Row) and isinstance(b, Val) and b.kind != "scalar":
+            if a.kind != b.kind:
+                raise SpecError(f"x^T y takes two vectors of one length, not a [{a.kind}] and a [{b.kind}] "
+                                "vector", span)
+            return Dot(a.kind, a.expr * b.expr)
+        if isinstance(a, Dot) or isinstance(b, Dot):
+            return self.dot_times(a, b, span)
+        if isinstance(b, StPrev) or isinstance(a, StPrev) and not a.transposed:
+            raise SpecError("S_prev, the state before this token's update, is read only by the readout, as "
+                            "S_prev^T x with x a [K] vector", span)
+        if isinstance(a, StPrev) and isinstance(b, Val):
+            if b.kind == "V":
+                raise SpecError("shape mismatch: S_prev^T is [V, K], so it reads a [K] vector (S_prev^T q), "
+                                "not a [V] vector", span)
+            return Out(sp.Integer(0), prev=b.expr)
         if isinstance(a, Val) and isinstance(b, Val):
             raise SpecError(f"two column vectors side by side ({_desc(a)}, {_desc(b)}); "
                             "did you mean an outer product like k v^T?", span)
@@ -400,6 +435,12 @@ def lower(spec: Spec) -> ir.Mixer:
     if not isinstance(out, Out):
         raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
                         f"this is {_desc(out)}", readout.span)
+    if simplified(out.query) == 0 and simplified(out.prev) == 0:
+        raise SpecError("the readout must read the state: add S^T x or S_prev^T x (x a [K] vector), "
+                        "e.g. o = S^T q", readout.span)
+    if out.lam is not None and (out.prev != 0 or out.bonus):
+        raise SpecError("the offline solve's readout is o = S^T (G + diag(lamb))^-1 q alone; it takes no "
+                        "S_prev^T or dot-product terms", readout.span)
     if out.lam is not None:
         if delta is not None:
             raise SpecError("the offline solve (o = S^T (G + diag(lamb))^-1 q) goes with a transition without "
@@ -410,11 +451,31 @@ def lower(spec: Spec) -> ir.Mixer:
         if any(lw.kinds.get(str(sym)) == "V" for sym in out.lam.free_symbols):
             raise SpecError("the regulariser of the solve runs over key channels (K), not value channels",
                             readout.span)
+    bonus = tuple(ir.Bonus(k, e, z) for k, e, z in out.bonus if simplified(e) != 0 and simplified(z) != 0)
+    _check_before_terms(out, aux, lets, readout.span)
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
-                 readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow)
+                 readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow,
+                 query_prev=out.prev, bonus=bonus)
     check_constants(m, update.span)
     return m
+
+
+def _check_before_terms(out: Out, aux, lets, span) -> None:
+    """S_prev^T y and the dot products run outside the kernels (codegen/readouts.py), where the
+    auxiliary states are not at hand: they may read inputs, params and lets of those only."""
+    if not aux:
+        return
+    inlined = {}
+    for lt in lets:
+        inlined[ir.symbol(lt.name)] = lt.expr.xreplace(inlined)
+    states = {ir.symbol(a.name) for a in aux}
+    for e in (out.prev, *(x for _, s, z in out.bonus for x in (s, z))):
+        used = sp.sympify(e).xreplace(inlined).free_symbols & states
+        if used:
+            raise SpecError(f"S_prev^T y and dot-product terms of the readout may not read an auxiliary state "
+                            f"({', '.join(sorted(map(str, used)))}); read it through S^T x, or write the term "
+                            "from inputs, params and lets of those", span)
 
 
 def _input(lw: Lowerer, d) -> ir.Input:
@@ -510,14 +571,17 @@ def _transition(lw: Lowerer, update: Update):
 
         left = per_head_in_a(ir.Delta(-u, sp.factor_terms(e / d), "left"))
         right = per_head_in_a(ir.Delta(sp.factor_terms(-u / d), e, "right"))
-        # an order whose a or c divides by a per-channel decay (exp(-g)) computes D^-1, which
-        # overflows where the decay underflows (g = -120: nan in every path) although M is finite
-        # (where both orders do, lrdsl.compile refuses the spec: inverse_decay_error)
+        # an order whose a or c divides by a data-dependent decay (exp(-g)) would compute D^-1,
+        # which overflows where the decay underflows (g = -120: nan in every path) although M is
+        # finite; where both orders would, M is kept as written, D - a c^T (order "sum", the
+        # additive DPLR form of RWKV-7), which the kernels compute with in-chunk decays only
         inverse = lambda dl: any(_divides_by_decay(x, d, lw.kinds) for x in (dl.a, dl.c))
         score = lambda dl: (inverse(dl), sp.count_ops(dl.a) + sp.count_ops(dl.c))
         delta = left if score(left) <= score(right) else right
         if decay.kind != "diagonal":  # a scalar D commutes: one canonical order
             delta = ir.Delta(delta.a, delta.c, "left")
+        if inverse(delta):
+            delta = per_head_in_a(ir.Delta(-u, e, "sum"))
     writes = _combine(list(val.writes), lw, span, "write")
     if not writes:
         raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
@@ -528,30 +592,15 @@ def _transition(lw: Lowerer, update: Update):
 
 
 def _divides_by_decay(x, d, kinds: dict) -> bool:
-    """x has a per-channel input of the decay d in its denominator (exp(-g) counts as 1/exp(g))."""
-    channel = {s for s in d.free_symbols if kinds.get(str(s)) == "K"}
-    if not channel:
+    """x divides by the data-dependent part of the decay d: a symbol of d's is in its denominator
+    (exp(-g) counts as 1/exp(g)), or x d is free of d's symbols where x is not (x holds 1/d, as
+    exp(exp(A) softplus(dt)) does for d = exp(-exp(A) softplus(dt)))."""
+    data = {s for s in d.free_symbols if kinds.get(str(s)) in ("K", "scalar") and s != ir.HEAD}
+    if not x.free_symbols & data:
         return False
-    return bool(sp.fraction(sp.together(x))[1].free_symbols & channel)
-
-
-def inverse_decay_error(m: ir.Mixer):
-    """(message, span) where the transition reads as (I - a c^T) D or D (I - a c^T) only with
-    D^-1 in a or c (M = diag(exp(g)) - beta k k^T: c = k exp(-g)), else None. Every path computes
-    a and c as written, so exp(-g) overflows where the decay underflows (g = -120: nan) although M
-    is finite; lrdsl.compile refuses such a spec. The checker still reasons about its M (the symmetric
-    form D - x y^T), which is why lowering keeps it."""
-    dl = m.delta
-    if dl is None or m.decay.kind != "diagonal":
-        return None
-    kinds = m.kinds()
-    if not any(_divides_by_decay(m.inline_lets(x), m.inline_lets(m.decay.value), kinds) for x in (dl.a, dl.c)):
-        return None
-    form = "(I - a c^T) D" if dl.order == "left" else "D (I - a c^T)"
-    return (f"this transition reads as {form} only with the decay's inverse in a or c (D = {m.decay.value}, "
-            f"a = {dl.a}, c = {dl.c}), which overflows where the decay underflows (nan at g = -120), and neither "
-            "order avoids it; write the erase beside the decay it multiplies, e.g. "
-            "(I - beta k k^T) diag(exp(g)) S or diag(exp(g)) (I - beta k k^T) S", m.update_span)
+    if sp.fraction(sp.together(x))[1].free_symbols & data:
+        return True
+    return not simplified(x * d).free_symbols & data
 
 
 def _combine(pairs, lw, span, what):

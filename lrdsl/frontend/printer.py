@@ -101,6 +101,9 @@ def transition(m: ir.Mixer) -> str:
         dtext = expr(d.value) if atomic else _vec(d.value)
     if m.delta is None:
         return dtext or "I"
+    if m.delta.order == "sum":
+        dpart = dtext if d.kind in ("diagonal", "identity") else f"{dtext} I"
+        return f"({dpart or 'I'} - {_vec(m.delta.a)} {_vec(m.delta.c)}^T)"
     erase = f"(I - {_vec(m.delta.a)} {_vec(m.delta.c)}^T)"
     if not dtext:
         return erase
@@ -118,8 +121,7 @@ def explicit(m: ir.Mixer) -> str:
     t = transition(m)
     carried = "S" if t == "I" else f"{t} S"
     lines.append(f"S = {carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T")
-    solve = f"(G + diag({expr(m.solve_lam)}))^-1 " if m.solve_lam is not None else ""
-    lines.append(f"o = S^T {solve}{_vec(m.query)}")
+    lines.append(f"o = {readout(m)}")
     if m.solve_lam is not None and m.solve_steps != ir.Mixer.solve_steps:
         lines.append(f"solve offline steps {m.solve_steps}")
     if m.allow_unstable:
@@ -129,6 +131,26 @@ def explicit(m: ir.Mixer) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readout(m: ir.Mixer) -> str:
+    """The right-hand side of the readout line: o = <this>."""
+    if m.solve_lam is not None:
+        return f"S^T (G + diag({expr(m.solve_lam)}))^-1 {_vec(m.query)}"
+    terms = [f"S^T {_vec(m.query)}"] if m.query != 0 else []
+    terms += [f"S_prev^T {_vec(m.query_prev)}"] if m.query_prev != 0 else []
+    terms += [f"({_dot(b)}) {_vec(b.value)}" for b in m.bonus]
+    return " + ".join(terms)
+
+
+def _dot(b: ir.Bonus) -> str:
+    """x^T y with x y = b.summand: x one of its symbols of b.kind, y the rest."""
+    syms = sorted((s for s in b.summand.free_symbols if s != ir.HEAD), key=str)
+    for s in syms:
+        rest = sp.factor_terms(b.summand / s)
+        if s * rest == b.summand:
+            return f"{s}^T {_vec(rest)}"
+    return f"{_vec(b.summand)}^T 1"
+
+
 def canonical(m: ir.Mixer) -> str:
     """The canonical form in words: decay class, erase factor, write, readout."""
     d = m.decay
@@ -136,10 +158,13 @@ def canonical(m: ir.Mixer) -> str:
     if m.delta is None:
         out.append("erase   none      M = D")
     else:
-        form = "(I - a c^T) D" if m.delta.order == "left" else "D (I - a c^T)"
+        form = {"left": "(I - a c^T) D", "right": "D (I - a c^T)", "sum": "D - a c^T"}[m.delta.order]
         out.append(f"erase   rank-1    M = {form},  a = {expr(m.delta.a)},  c = {expr(m.delta.c)}")
     out.append(f"write   rank-1    {_vec(m.write.key)} {_vec(m.write.value)}^T")
-    if m.solve_lam is None:
+    if m.solve_lam is None and m.reads_before:
+        out.append(f"readout           o = scale * ({readout(m)})")
+        out.append("                  (S_prev: the state before the token's update)")
+    elif m.solve_lam is None:
         out.append(f"readout           o = S^T (scale * {expr(m.query)})")
     else:
         out.append(f"readout           o = S^T (G + diag({expr(m.solve_lam)}))^-1 (scale * {expr(m.query)})")

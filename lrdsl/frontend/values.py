@@ -37,9 +37,22 @@ class StT:  # S^T
 
 
 @dataclass(frozen=True)
-class Out:  # S^T x, or S^T (G + diag(lam))^-1 x
+class StPrev:  # S_prev (transposed: StPrev(True)), the state before this token's update
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class Dot:  # x^T y: one number per head and token, the sum over channels of `kind` of expr
+    kind: str
+    expr: sp.Expr
+
+
+@dataclass(frozen=True)
+class Out:  # S^T x + S_prev^T y + sum of (x_i^T y_i) z_i, or S^T (G + diag(lam))^-1 x
     query: sp.Expr
     lam: sp.Expr | None = None
+    prev: sp.Expr = sp.Integer(0)
+    bonus: tuple = ()  # (kind, summand, value): (sum over kind's channels of summand) * value
 
 
 @dataclass(frozen=True)
@@ -69,4 +82,8 @@ def describe(x) -> str:
         return "the Gram state G plus a diagonal"
     if isinstance(x, GramInv):
         return "an inverse of G + diag(...)"
+    if isinstance(x, StPrev):
+        return "S_prev^T" if x.transposed else "S_prev"
+    if isinstance(x, Dot):
+        return "a dot product (one number per token)"
     return "the readout S^T x"

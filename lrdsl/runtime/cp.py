@@ -429,6 +429,8 @@ def widens(m) -> bool:
 
     from lrdsl.frontend.ir import symbol
     v = m.input("v")
+    if m.bonus:  # a dot-product term of the readout is not linear in the incoming state
+        return False
     if (v.lo > 0 or v.hi < 0 or (v.lo == 0 and v.lo_open) or (v.hi == 0 and v.hi_open)
             or any(a.kind == "V" for a in m.aux)
             or any(i.kind == "V" and i.name != "v" and (i.l2norm or i.unit) for i in m.inputs)):

@@ -91,7 +91,8 @@ def scan(m: ir.Mixer, b: Batch):
     f_aux = [(a.name, to_torch(a.decay), to_torch(a.write), a.kind) for a in m.aux]
     f_let = [(lt.name, to_torch(lt.expr)) for lt in m.lets]
     f_d, f_key, f_val = to_torch(m.decay.value), to_torch(m.write.key), to_torch(m.write.value)
-    f_q = to_torch(m.query)
+    f_q, f_qp = to_torch(m.query), to_torch(m.query_prev)
+    f_bonus = [(to_torch(bn.summand), to_torch(bn.value)) for bn in m.bonus]
     f_lam = to_torch(m.solve_lam) if m.solve_lam is not None else None
     f_a = to_torch(m.delta.a) if m.delta else None
     f_c = to_torch(m.delta.c) if m.delta else None
@@ -118,6 +119,12 @@ def scan(m: ir.Mixer, b: Batch):
                 env[name] = f(env)
             d = torch.as_tensor(f_d(env), dtype=dtype, device=dev)
             d = d.unsqueeze(-1) if d.dim() else d
+            before = 0.0  # what the readout takes from before the update: S_prev^T x + (x^T y) z
+            if m.query_prev != 0:
+                before = (torch.as_tensor(f_qp(env)).unsqueeze(-1) * S).sum(-2) * b.scale
+            for f_sum, f_z in f_bonus:
+                dot = torch.as_tensor(f_sum(env), dtype=dtype, device=dev).sum(-1, keepdim=True)
+                before = before + dot * torch.as_tensor(f_z(env)) * b.scale
             if m.delta is None:
                 S = d * S
             else:
@@ -134,7 +141,7 @@ def scan(m: ir.Mixer, b: Batch):
                 gram = d * gram + torch.as_tensor(key).unsqueeze(-1) * env["k"].unsqueeze(-2)
                 lam = torch.as_tensor(f_lam(env), dtype=dtype, device=dev).expand(1, b.HV, b.K)
                 qv = torch.linalg.solve(gram + torch.diag_embed(lam), qv.expand(1, b.HV, b.K))
-            o_seq.append((qv.unsqueeze(-1) * S).sum(-2))
+            o_seq.append((qv.unsqueeze(-1) * S).sum(-2) + before)
         if o_seq:
             outs.append(torch.stack(o_seq, dim=1))
         else:
