@@ -7,7 +7,6 @@ the GPU (-m gpu)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -85,7 +84,7 @@ def test_left_padding_equals_unpadded_prompts(model):
         assert rms_ratio(out.logits[0, -5:], out.logits[1, -5:]) > 0.1  # two different prompts
 
 
-def generate_both(model, ids, new=5, **kw):
+def generate_both(model, ids, new=3, **kw):
     """Greedy tokens and logits with the recurrent cache and without (each step recomputes all)."""
     out = {}
     for use_cache in (True, False):
@@ -209,7 +208,7 @@ def test_hybrid_with_softmax_attention():
         out = generate_both(model, ids, attention_mask=mask)
         alone = model.generate(short, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(out[True][0], out[False][0])
-    assert torch.equal(out[True][0][0, 7:], alone[0, 4:]), "the padded prompt generates what it does alone"
+    assert torch.equal(out[True][0][0, 7:], alone[0, 4:7]), "the padded prompt generates what it does alone"
 
 
 # ---- FLA checkpoints -------------------------------------------------------------------------------
