@@ -64,9 +64,9 @@ class Mixer:
         elif self.ir.decay.kind != "diagonal":
             self.chunk_op  # noqa: B018 (the offline solve's module and op: generated, cached, registered)
 
-    def _validate(self, *args, reference: bool = False):
+    def _validate(self, *args, reference: bool = False, offsets=None):
         """validate(...) for this mixer, and the range assertion where it is on."""
-        batch = validate(self.ir, *args)
+        batch = validate(self.ir, *args, offsets=offsets)
         if self.check_ranges or (self.check_ranges is None and reference):
             assert_in_ranges(self.ir, batch)
         return batch
@@ -245,8 +245,11 @@ class Mixer:
         return o
 
     def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, cp_group=None, **inputs):
+              cu_seqlens=None, cp_group=None, cu_seqlens_cpu=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference.
+
+        cu_seqlens_cpu: the offsets of cu_seqlens as a list of ints, checked instead of reading
+        cu_seqlens back from the device (under torch.compile such a read is a graph break).
 
         cp_group (a torch.distributed process group): context parallelism. Each rank passes its
         contiguous slice of the tokens and the global initial_state and cu_seqlens; see lrdsl/cp.py."""
@@ -254,14 +257,15 @@ class Mixer:
             # Triton's interpreter computes tl.dot on bf16 operands wrongly and silently
             # (triton#11584), so on the CPU the kernels run on fp32 copies; o comes back in v's dtype
             o, final = self.chunk(*map(_fp32_if_bf16, (q, k, v)), scale, _fp32_if_bf16(initial_state),
-                                  output_final_state, cu_seqlens, cp_group,
+                                  output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu,
                                   **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
             return o.to(v.dtype), final
         if cp_group is not None:
             from lrdsl.runtime import cp
             return cp.chunk(self, q, k, v, scale, initial_state, output_final_state, cu_seqlens, inputs,
                             cp_group)
-        batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens)
+        batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
+                               offsets=cu_seqlens_cpu)
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)

@@ -348,3 +348,71 @@ def test_layer_on_the_gpu_bf16_and_inductor(name):
         y = compiled_layer(x[:, :128])
         y.float().sum().backward()
         assert rms_ratio(y.float(), L(x[:, :128])[0].float()) < 1e-2
+
+
+def test_float64_layer_computes_in_float64(compiled):
+    """A float64 layer runs the mixer's float64 reference scan (the kernels accumulate in float32):
+    gradcheck passes (float32 inside would fail it), prefill-then-decode equals one pass to float64
+    rounding, and the cache stays float64."""
+    torch.manual_seed(0)
+    L = Layer(compiled(spec("gated_deltanet")), 16, 1, 8).double()
+    x = torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: L(t)[0], (x,))
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    with torch.no_grad():
+        whole, _ = L(x)
+        a, cache = L(x[:, :4], use_cache=True)
+        b, cache = L(x[:, 4:5], cache)
+        c, cache = L(x[:, 5:], cache)
+    assert whole.dtype == cache.state.dtype == torch.float64
+    assert rms_ratio(torch.cat([a, b, c], 1), whole) < 1e-12
+
+
+def test_attention_mask_packs_each_row(compiled):
+    """attention_mask: each row's tokens (left padding, right padding, a hole) are one sequence, as if
+    given alone; zeros at padding; the returned cache goes on from each row's last token."""
+    L = layer(compiled, "gated_deltanet")
+    gen = torch.Generator().manual_seed(12)
+    x, nxt = torch.randn(3, 8, D, generator=gen), torch.randn(3, 2, D, generator=gen)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        y, cache = L(x, use_cache=True, attention_mask=mask)
+        y_next, _ = L(nxt, cache)
+        assert (y[mask == 0] == 0).all()
+        for i in range(3):
+            alone, c = L(x[i:i + 1, mask[i] == 1], use_cache=True)
+            assert rms_ratio(y[i, mask[i] == 1], alone[0]) < 1e-5, f"row {i}"
+            assert rms_ratio(y_next[i:i + 1], L(nxt[i:i + 1], c)[0]) < 1e-5, f"row {i} decoded"
+        assert torch.equal(L(x, attention_mask=torch.ones(3, 8))[0], L(x)[0])  # no padding: the batched path
+    with pytest.raises(lrdsl.InputError, match=r"attention_mask must be a tensor \[B, T\]"):
+        L(x, attention_mask=mask[:, :5])
+
+
+def test_cache_select_reorders_sequences(compiled):
+    """Cache.select (beam search's reorder): the selected cache decodes as the chosen sequences do."""
+    L = layer(compiled, "gated_deltanet")
+    gen = torch.Generator().manual_seed(13)
+    x, nxt = torch.randn(3, 6, D, generator=gen), torch.randn(4, 1, D, generator=gen)
+    index = torch.tensor([2, 0, 2, 1])
+    with torch.no_grad():
+        _, cache = L(x, use_cache=True)
+        picked = cache.select(index)
+        y, _ = L(nxt, picked)
+        for j, i in enumerate(index.tolist()):
+            _, c = L(x[i:i + 1], use_cache=True)
+            assert rms_ratio(y[j:j + 1], L(nxt[j:j + 1], c)[0]) < 1e-5, f"beam {j} <- sequence {i}"
+
+
+@pytest.mark.slow  # CPU: Dynamo tracing the interpreter's launches, 10-20 s
+def test_packed_sequences_compile_without_a_graph_break(compiled):
+    """cu_seqlens_cpu (host-side offsets): torch.compile(fullgraph=True) traces a packed call, equal to
+    eager; without it the offsets would be read from the device (a data-dependent guard)."""
+    L = layer(compiled, "gated_deltanet")
+    x = torch.randn(1, 10, D, generator=torch.Generator().manual_seed(14))
+    cu = torch.tensor([0, 4, 10])
+    torch._dynamo.reset()
+    f = torch.compile(lambda t, c: L(t, cu_seqlens=c, cu_seqlens_cpu=[0, 4, 10])[0], backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x, cu), L(x, cu_seqlens=cu)[0])
+    with pytest.raises(lrdsl.InputError, match="cu_seqlens_cpu has 2 offsets"):
+        L(x, cu_seqlens=cu, cu_seqlens_cpu=[0, 10])

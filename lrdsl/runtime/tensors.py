@@ -86,14 +86,17 @@ def check_cu_seqlens(cu_seqlens) -> None:
 
 
 def check_offsets(cu_seqlens, T: int) -> None:
-    """The values of cu_seqlens (checked by check_cu_seqlens): from 0 to T, never decreasing."""
-    c = cu_seqlens.tolist()
+    """The values of cu_seqlens (checked by check_cu_seqlens, or a list of them): from 0 to T, never
+    decreasing."""
+    c = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else list(cu_seqlens)
     if len(c) < 2 or c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c, c[1:])):
         raise InputError(f"cu_seqlens must start at 0, never decrease and end at T={T}, got {c}")
 
 
 def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=None,
-             output_final_state=False, cu_seqlens=None) -> Batch:
+             output_final_state=False, cu_seqlens=None, offsets=None) -> Batch:
+    """The call's inputs checked (one InputError each) into a Batch. offsets: cu_seqlens's values as a
+    list of ints, known on the host: checked instead of reading cu_seqlens back (torch.compile)."""
     import torch
     given = dict(inputs)
     given.update(q=q, k=k, v=v)
@@ -140,7 +143,10 @@ def validate(mixer: ir.Mixer, q, k, v, inputs: dict, scale=None, initial_state=N
         check_cu_seqlens(cu_seqlens)
         if B != 1:
             raise InputError(f"with cu_seqlens the sequences are packed along T, so B must be 1, got B={B}")
-        check_offsets(cu_seqlens, T)
+        if offsets is not None and len(offsets) != cu_seqlens.numel():
+            raise InputError(f"cu_seqlens_cpu has {len(offsets)} offsets but cu_seqlens has {cu_seqlens.numel()}: "
+                             "pass the same offsets twice (cu_seqlens_cpu=cu_seqlens.tolist())")
+        check_offsets(cu_seqlens if offsets is None else offsets, T)
     from lrdsl.frontend.params import check_tensors
     given.update(check_tensors(mixer, params, HV, K, V, q.device))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
