@@ -139,7 +139,7 @@ def test_a_clean_batch_takes_the_backward_as_given(monkeypatch):
     assert not calls and all(torch.isfinite(t).all() for t in g.values())
 
 
-@pytest.mark.parametrize("mixer_id", ["gated_deltanet-general", "mesa"])
+@pytest.mark.parametrize("mixer_id", ["gated_deltanet-general", pytest.param("mesa", marks=pytest.mark.slow)])
 def test_general_and_offline_kernels_take_causal_products_only_in_a_bad_chunk(mixer_id, monkeypatch):
     """The general and offline-solve forwards take plain products over the chunk's tokens, and the
     causal ones (_causal_dot) only where a plain one is not finite (common.jinja's _guarded_dot): none
