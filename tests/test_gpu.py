@@ -421,6 +421,49 @@ def test_nonfinite_causal_gpu(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "gdn2_atk", "kda_decay_after_erase", "gated_deltanet-general",
+                                  "mesa"])
+def test_nonfinite_backward_gpu(name, monkeypatch):
+    """bf16 inputs with a nan log-decay at token 421 of sequence 0 and an inf in one value entry at
+    token 512 of sequence 1: every input's gradient at the tokens before the bad one of its sequence
+    against the float64 reference on the clean inputs, the loss (nan_to_num(o) * do) masked to the
+    outputs the reference leaves finite on the spoiled ones (tests/test_nonfinite_backward.py on the
+    CPU); the bad entries' own gradients are nan. "-general": the general kernels."""
+    stem = name.removesuffix("-general")
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", stem + ".lr"), check_ranges=False)
+    if name.endswith("-general"):  # (the module is shared with the suite's other tests)
+        monkeypatch.setattr(mixer.kernels, "STAGED_MAX_K", 0)
+    B, T, H, K, V = 2, 1000, 2, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    spoiled = {n: t.clone() for n, t in x.items()}
+    spoiled["g"][0, 421] = float("nan")
+    spoiled["v"][1, 512, 1, 7] = float("inf")
+    with torch.no_grad():
+        fin = torch.isfinite(mixer.reference(**{n: t.double() for n, t in spoiled.items()})[0])
+    assert fin[0, :421].all() and fin[1, :512].all() and not fin[0, 421:].all() and not fin[1, 512:].all()
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=torch.float64)
+
+    def grads(fn, inputs, dtype, d):
+        leaves = {n: t.detach().to(dtype).clone().requires_grad_() for n, t in inputs.items()}
+        o, _ = fn(**leaves)
+        (torch.nan_to_num(o.double(), nan=0.0, posinf=0.0, neginf=0.0) * d).sum().backward()
+        return {n: t.grad for n, t in leaves.items()}
+
+    ref, got = grads(mixer.reference, x, torch.float64, do * fin), grads(mixer.chunk, spoiled, torch.bfloat16, do)
+    assert torch.isnan(got["g"][0, 421]).all() and torch.isnan(got["v"][1, 512, 1, 7])
+    errs = {}
+    for n in ref:
+        a, b = (torch.cat([g[0, :421], g[1, :512]]) for g in (got[n], ref[n]))
+        assert torch.isfinite(a).all(), (n, "not finite before the bad token")
+        errs[n] = rms_ratio(a, b)
+    RESULTS.append((name, "nonfinite bwd", max(errs[n] for n in ("q", "k", "v")),
+                    max(e for n, e in errs.items() if n not in ("q", "k", "v"))))
+    for n, e in errs.items():
+        assert e < 2e-2, (n, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 def test_bench_gpu_time_counts_the_calls_kernels():
     """`lrdsl bench`'s GPU time sums the kernels a call launches: none for a host-only call, some for
     a forward, and the forward + backward's includes the forward's kernels."""

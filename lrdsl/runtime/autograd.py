@@ -17,6 +17,7 @@ import torch
 
 from lrdsl.codegen.plan import Plan
 from lrdsl.frontend import ir
+from lrdsl.runtime import nonfinite
 from lrdsl.runtime.reference import prepare_inputs, to_torch
 from lrdsl.runtime.scan import first_order_scan_triton, scan_backward
 from lrdsl.runtime.tensors import Batch
@@ -207,7 +208,22 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     """(gradients of every input (None where not needed), of h0, of each auxiliary initial state)
     for the chunked kernels. `saved` / `residual`: what the forward kept for the backward (or None);
     initial_aux: the auxiliary states the forward started from (fp32; None for zeros, then the third
-    part is empty); dfinal_aux: the gradients of the auxiliary final states (None for zero)."""
+    part is empty); dfinal_aux: the gradients of the auxiliary final states (None for zero).
+    Inputs with non-finite entries: the backward of their finite copies (runtime/nonfinite.py), nan
+    at those entries."""
+    masks = nonfinite.bad_entries(mixer_ir, names, tensors)
+    if masks is None:
+        return _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved, residual,
+                            initial_aux, dfinal_aux)
+    # what the forward kept carries the bad values: the backward recomputes it from the copies
+    finite = nonfinite.finite_copies(mixer_ir, names, tensors, masks)
+    grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, finite, h0, do, dht, needs, None, None,
+                                    initial_aux, dfinal_aux)
+    return nonfinite.nan_at(grads, masks), dh0, daux
+
+
+def _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved, residual, initial_aux,
+                 dfinal_aux):
     inputs, h0, cu = host_args(names, tensors, h0, batch.cu_seqlens)
     if do is None:
         do = torch.zeros(batch.B, batch.T, batch.HV, batch.V, device=tensors[0].device)

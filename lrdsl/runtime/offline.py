@@ -11,6 +11,7 @@ import math
 import torch
 
 from lrdsl.errors import InputError
+from lrdsl.runtime import nonfinite
 from lrdsl.runtime.tensors import MixerState
 
 
@@ -174,10 +175,17 @@ class ChunkFunction(torch.autograd.Function):
         # chunk_bwd frees the kept intermediates as it goes: handed over, not shared (a second
         # backward through a retained graph finds None and recomputes them)
         saved, ctx.saved = ctx.saved, None
+        # non-finite inputs: the backward of their finite copies, the kept intermediates recomputed
+        masks = nonfinite.bad_entries(ctx.mixer.ir, ctx.names, tensors)
+        if masks is not None:
+            tensors = nonfinite.finite_copies(ctx.mixer.ir, ctx.names, tensors, masks)
+            inputs, saved = dict(zip(ctx.names, (t.contiguous() for t in tensors))), None
         vgrads, dS0, dG0 = ctx.mixer.kernels.chunk_bwd(inputs, batch.scale, ctx.state, do, dht, ctx.cu, saved)
         del saved
         needs = ctx.needs_input_grad[6:]
         grads, daux0 = input_grads(ctx.mixer, batch, inputs, tensors, needs[:ctx.n], vgrads, aux0, daux)
+        if masks is not None:
+            grads = nonfinite.nan_at(grads, masks)
         S0, G0 = ctx.starts
         dS0 = dS0.to(S0.dtype) if S0 is not None and ctx.needs_input_grad[4] else None
         dG0 = dG0.to(G0.dtype) if G0 is not None and ctx.needs_input_grad[5] else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from lrdsl.runtime import nonfinite
 from lrdsl.runtime.offline import host_inputs, state_in
 from lrdsl.runtime.tensors import Batch
 
@@ -71,6 +72,9 @@ def offline_op(mixer, key: str):
             dST: torch.Tensor | None, dGT: torch.Tensor | None, daux: torch.Tensor | None,
             needs: list[bool]) -> list[torch.Tensor]:
         from lrdsl.runtime.offline import input_grads
+        masks = nonfinite.bad_entries(m, names, tensors)
+        if masks is not None:  # the backward of the finite copies (runtime/nonfinite.py)
+            tensors = nonfinite.finite_copies(m, names, tensors, masks)
         batch = batch_of(tensors, S0, G0, aux0, scale, cu_seqlens, False)
         inputs, cu = host_inputs(mixer, batch)
         dht = (None if dST is None else dST.contiguous(), None if dGT is None else dGT.contiguous())
@@ -78,6 +82,8 @@ def offline_op(mixer, key: str):
         dfinal = torch.split(daux, widths_of(batch.K, batch.V), dim=-1) if daux is not None else ()
         grads, daux0 = input_grads(mixer, batch, inputs, list(tensors), needs, vgrads,
                                    list(aux0) if aux0 else None, dfinal)
+        if masks is not None:
+            grads = nonfinite.nan_at(grads, masks)
         out = [g if g is not None else t.new_empty(0) for g, t in zip(grads, tensors)]
         out += [dS0.to(S0.dtype) if S0 is not None else do.new_empty(0),
                 dG0.to(G0.dtype) if G0 is not None else do.new_empty(0)]

@@ -1,0 +1,80 @@
+"""Non-finite inputs in the backward (issue 42).
+
+The forward keeps a non-finite input causal (common.jinja's nonfinite helpers): every output
+before it is the reference's. A loss on those outputs (the later ones masked, as
+torch.nan_to_num's gradient masks them) has gradients at the earlier tokens that do not depend on
+the bad value at all, but a backward run on it gets nan there anyway: 0 * nan is nan, and every
+reverse pass (the state gradient over chunks, the log-decays' reverse sums, the auxiliary states'
+reverse scans) carries a product with the bad token's terms to the tokens before it. So the
+backward runs on finite copies of the inputs: each entry that the kernels would take as non-finite
+is replaced by a finite value inside its declared range, and its own gradient is nan (it has none).
+Every other gradient is then that of the loss on the outputs the forward left finite.
+
+The check is one reduction per input and one wait for the device per backward; only a batch with a
+bad entry pays for the masks and copies.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _fill(i) -> float:
+    """A finite value inside input i's declared range (not at an open end: the offline solve's
+    regulariser is refused there)."""
+    lo = float(i.lo) if i.lo.is_finite else -math.inf
+    hi = float(i.hi) if i.hi.is_finite else math.inf
+    if math.isfinite(lo) and math.isfinite(hi):
+        return (lo + hi) / 2
+    if math.isfinite(lo):
+        return lo + 1.0
+    if math.isfinite(hi):
+        return hi - 1.0
+    return 0.0
+
+
+def _bad(i, x: torch.Tensor) -> torch.Tensor:
+    """Where the kernels take x as non-finite: nan; +inf or -inf where no clamp into the declared
+    range makes it finite (-inf in a log-decay is a reset, floored by the chunked kernels)."""
+    clamped = i.clamped
+    bad = torch.isnan(x)
+    if not (clamped and i.hi.is_finite):
+        bad |= torch.isposinf(x)
+    if not (clamped and i.lo.is_finite) and not i.log:
+        bad |= torch.isneginf(x)
+    return bad
+
+
+def _maybe_bad(x: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on the device: x has a nan or an infinite entry (one pass; min and max keep nan)."""
+    if not x.numel():
+        return torch.zeros((), dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x.detach())
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def bad_entries(mixer_ir, names, tensors) -> list | None:
+    """For each input (by name; tensors in the same order), a bool mask of its entries the kernels
+    would take as non-finite, or None when there is none at all (the common case: one reduction per
+    input and one wait for the device)."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    if not floats or not bool(torch.stack([_maybe_bad(t) for t in floats]).any()):
+        return None
+    spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    masks = [_bad(spec[n], t) if n in spec and t.is_floating_point() else None for n, t in zip(names, tensors)]
+    if not any(m is not None and bool(m.any()) for m in masks):  # +-inf a clamp makes finite, resets
+        return None
+    return masks
+
+
+def finite_copies(mixer_ir, names, tensors, masks) -> list:
+    """The inputs with every bad entry (masks: bad_entries') replaced by a finite value in range."""
+    spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    return [t if m is None else torch.where(m, torch.full((), _fill(spec[n]), dtype=t.dtype, device=t.device), t)
+            for n, t, m in zip(names, tensors, masks)]
+
+
+def nan_at(grads, masks) -> list:
+    """The inputs' gradients (None where not asked for) with nan at each bad entry."""
+    return [g if g is None or m is None else g.masked_fill(m, math.nan) for g, m in zip(grads, masks)]

@@ -1,0 +1,165 @@
+"""Causality for non-finite inputs in the backward (issue 42): a nan or inf at token t leaves the
+gradient of every input at every token before t (and of the initial state, and of every other
+sequence) as the float64 reference has it.
+
+The loss is torch.nan_to_num(o) * do summed: its gradient is zero at the outputs the forward left
+non-finite, so it depends only on the finite ones. Its float64 reference is taken on the clean
+inputs (the bad entry as drawn) with do masked to the outputs the reference leaves finite on the
+spoiled ones: the gradient at a token before t does not depend on the value at t, and on the
+spoiled inputs the reference's own autograd has 0 * nan at the bad token's terms, nan at every
+earlier token for a bad decay, key or gain (where it is finite, it is the clean one: checked).
+The kernels' gradient at the bad entry itself is nan (runtime/nonfinite.py).
+"""
+import math
+
+import pytest
+import torch
+from test_nonfinite import BAD, semantics, spec_path, spoil  # noqa: F401 (semantics: a fixture)
+from test_recurrent import DEVICE, general_kernels
+
+import lrdsl
+from lrdsl.testing import GATE_GRAD_FACTOR, TOL, Case, draw_inputs, rms_ratio
+
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+
+# mixer id: (spec, compile options); "-general": the general kernels (general_kernels)
+MIXERS = {
+    "gated_deltanet": ("gated_deltanet", {}),  # staged, an erase, a decay per token
+    "kda": ("kda", {}),  # staged, a decay per key channel (stage 4's pairs)
+    "gla": ("gla", {}),
+    "mamba2": ("mamba2", {}),
+    "gdn2_atk": ("gdn2_atk", {}),  # an auxiliary state: its reverse scan in the chain rule
+    "kda_decay_after_erase": ("kda_decay_after_erase", {}),  # the split
+    "gated_deltanet-general": ("gated_deltanet", {"keep_intermediates": True}),
+    "mesa": ("mesa", {}),  # the offline solve's own backward
+}
+ALL_BAD = dict(BAD, **{"q-nan": ("q", math.nan, True), "beta-nan": ("beta", math.nan, True)})
+# pytest -q: a bad decay or key through the staged, general and offline-solve backwards; -m slow
+# the rest (a bad query through an auxiliary state's reverse scan among them)
+DEFAULT = {("gated_deltanet", "g-nan"), ("gated_deltanet-general", "k-nan"), ("mesa", "g-nan")}
+CASE = Case(B=1, T=90, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 20, 90), initial_state=True, seed=4)
+ROW = 20 + 37  # inside the second sequence's first 64-token chunk
+
+
+def matrix():
+    for m, (stem, _) in MIXERS.items():
+        for b, (name, _, _) in ALL_BAD.items():
+            if name == "beta" and stem in ("gla", "mamba2", "gdn2_atk"):
+                continue  # no such input
+            yield pytest.param(m, b, marks=() if (m, b) in DEFAULT else pytest.mark.slow, id=f"{m}-{b}")
+
+
+def gradients(fn, x, opts, dtype, do):
+    """Every input's gradient and the initial state's, of (nan_to_num(o) * do).sum()."""
+    leaves = {n: t.detach().to(dtype).clone().requires_grad_() for n, t in x.items()}
+    h0 = opts["initial_state"].detach().to(dtype).clone().requires_grad_()
+    o, _ = fn(**leaves, **dict(opts, initial_state=h0))
+    (torch.nan_to_num(o, nan=0.0, posinf=0.0, neginf=0.0) * do.to(dtype)).sum().backward()
+    return {**{n: t.grad for n, t in leaves.items()}, "h0": h0.grad}
+
+
+def earlier(name, g):
+    """The entries of input `name`'s gradient at every token of the first sequence and at the
+    tokens of the second before the bad one (the initial state's: whole)."""
+    return g if name == "h0" else g[0, :ROW]
+
+
+def check_earlier_gradients(mixer, x, opts, bad, label):
+    name, value, whole = ALL_BAD[bad]
+    spoiled = spoil(x, name, value, whole, ROW)
+    with torch.no_grad():
+        ref_o = mixer.reference(**{n: t.double() for n, t in spoiled.items()},
+                                **dict(opts, initial_state=opts["initial_state"].double()))[0]
+    fin = torch.isfinite(ref_o)
+    assert fin[0, :ROW].all() and not fin[0, ROW:].all(), label
+    do = torch.randn(ref_o.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(DEVICE)
+    ref = gradients(mixer.reference, x, opts, torch.float64, do * fin)
+    got = gradients(mixer.chunk, spoiled, opts, torch.float32, do)
+    # the target is the reference's on the spoiled inputs wherever that one is finite
+    ref_spoiled = gradients(mixer.reference, spoiled, opts, torch.float64, do)
+    for n, g in ref.items():
+        a, b = earlier(n, ref_spoiled[n]), earlier(n, g)
+        f = torch.isfinite(a)
+        assert torch.allclose(a[f], b[f], rtol=1e-9, atol=1e-12), f"{label}: d{n} of the two references"
+    for n, g in ref.items():
+        mine = earlier(n, got[n])
+        assert torch.isfinite(mine).all(), f"{label}: d{n} not finite before the bad token"
+        err = rms_ratio(mine, earlier(n, g))
+        limit = TOL if n in ("q", "k", "v", "h0") else GATE_GRAD_FACTOR * TOL
+        assert err < limit, f"{label}: d{n} rms ratio {err:.3g} before the bad token"
+    at = got[name][0, ROW] if whole else got[name][0, ROW].reshape(-1)[3]
+    assert torch.isnan(at).all(), f"{label}: the bad entry's own gradient is not nan"
+
+
+@pytest.mark.parametrize("mixer_id,bad", matrix())
+def test_nonfinite_input_leaves_every_earlier_gradient(mixer_id, bad, compiled, monkeypatch):
+    stem, options = MIXERS[mixer_id]
+    mixer = compiled(spec_path(stem), check_ranges=False, **options)
+    if mixer_id.endswith("-general"):
+        general_kernels(mixer, monkeypatch)
+    x, opts = draw_inputs(mixer, CASE, DEVICE)
+    check_earlier_gradients(mixer, x, opts, bad, f"{mixer_id} {bad}")
+
+
+# the general backward's gradients of a pairwise sum's rows (dq: r's) are products over the key
+# tokens, causal as the forward's: a key that overflows fp32 inside the kernels (exp(a) k at
+# a = 100, finite inputs) at token t leaves them exact before t. A decay per token (tensor-core
+# products) and per key channel (sums by key channel).
+OVERFLOWING_KEY = {
+    "scalar": "mixer key_exp\ninput q[K], k[K], v[V], g log, a[K]\nS = exp(g) S + (exp(a) * k) v^T\no = S^T q\n",
+    "diagonal": "mixer key_exp_diag\ninput q[K], k[K], v[V], g[K] log, a[K]\n"
+                "S = diag(exp(g)) S + (exp(a) * k) v^T\no = S^T q\n",
+}
+
+
+@pytest.mark.parametrize("semantics", ["gpu"], indirect=True)
+@pytest.mark.parametrize("decay", list(OVERFLOWING_KEY))
+def test_overflowing_key_leaves_earlier_dq_of_the_general_backward(decay, semantics, monkeypatch):
+    from test_nonfinite import check_earlier_dq
+    mixer = general_kernels(lrdsl.compile(text=OVERFLOWING_KEY[decay], check_ranges=False,
+                                          keep_intermediates=True), monkeypatch)
+    case = Case(B=1, T=100, H=1, HV=1, K=16, V=16, seed=4)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    x = spoil(x, "a", 100.0, True, 37)
+    check_earlier_dq(mixer, x, opts, case, 37, f"an overflowing key, a {decay} decay")
+
+
+def test_a_clean_batch_takes_the_backward_as_given(monkeypatch):
+    """No non-finite entry: the backward runs on the call's own tensors and the forward's kept
+    intermediates (no copies), one check of the inputs."""
+    from lrdsl.runtime import nonfinite
+    calls = []
+    monkeypatch.setattr(nonfinite, "finite_copies", lambda *a: calls.append(a))
+    mixer = lrdsl.compile(spec_path("gated_deltanet"), keep_intermediates=True)
+    x, opts = draw_inputs(mixer, Case(B=1, T=20, H=1, HV=1, K=16, V=16, initial_state=True, seed=3), DEVICE)
+    x["g"][0, 5] = -math.inf  # a reset, floored by the kernels: not a bad entry
+    x["beta"][0, 6] = math.inf  # clamped into (0, 1)
+    g = gradients(mixer.chunk, x, opts, torch.float32, torch.ones(1, 20, 1, 16, device=DEVICE))
+    assert not calls and all(torch.isfinite(t).all() for t in g.values())
+
+
+@pytest.mark.parametrize("mixer_id", ["gated_deltanet-general", pytest.param("mesa", marks=pytest.mark.slow)])
+def test_general_and_offline_kernels_take_causal_products_only_in_a_bad_chunk(mixer_id, monkeypatch):
+    """The general and offline-solve forwards take plain products over the chunk's tokens, and the
+    causal ones (_causal_dot) only where a plain one is not finite (common.jinja's _guarded_dot): none
+    for clean inputs, and some with a nan key, which leave the tokens before it as the reference."""
+    from test_nonfinite import check_causal
+    stem, options = MIXERS[mixer_id]
+    mixer = lrdsl.compile(spec_path(stem), check_ranges=False, **options)
+    if mixer_id.endswith("-general"):
+        general_kernels(mixer, monkeypatch)
+    calls = []
+    causal = mixer.kernels._causal_dot
+
+    def counted(*args):
+        calls.append(1)
+        return causal(*args)
+    monkeypatch.setattr(mixer.kernels, "_causal_dot", counted)
+    case = Case(B=1, T=100, H=1, HV=1, K=16, V=16, initial_state=True, seed=6)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    with torch.no_grad():
+        mixer.chunk(**x, **opts)
+    assert not calls, f"{mixer_id}: {len(calls)} causal products for clean inputs"
+    check_causal(mixer, spoil(x, "k", math.nan, True, 70), opts, 70, monkeypatch, mixer_id)
+    assert calls, f"{mixer_id}: no causal product with a nan key"
