@@ -1,8 +1,9 @@
 """A numeric oracle for every fact `check` states, over the examples and over generated specs.
 
 Each spec here comes with its own numpy model of M_t, written from the recurrence it stands for
-(decay x erase x ATK preconditioner), not from lrdsl's IR: tokens are drawn inside the declared
-ranges (ATK states built by running their recurrence over a random history), and
+(decay x erase x ATK preconditioner, or decay +- a rank-1 term, the additive DPLR form), not from
+lrdsl's IR: tokens are drawn inside the declared ranges (ATK states built by running their
+recurrence over a random history), and
 - a proved claim must hold on every sample (eigenvalues, norm, products of 2 and 3 steps);
 - a witness must be admissible (its inputs inside the declared ranges, unit keys of norm 1, aux
   states equal to those the recurrence reaches from zero) and must show what it claims when the
@@ -41,7 +42,11 @@ class Model:
     d_range: tuple = (-1, 1, True, True)  # of d for the signed decays
     unit_key: bool = True
     atk: tuple | None = None  # (x, center, hi of beta_atk)
-    order: str = "left"  # left: (erase) D, right: D (erase)
+    order: str = "left"  # left: (erase) D, right: D (erase), sum: D +- gain x y^T (no I)
+    # the erase is I +- gain x y^T with x, y named: "k" is the write key, any other name its own
+    # unit input (RWKV-7's kk, Comba's p, DPLR's a and b); ATK's m multiplies x
+    dirs: tuple = ("k", "k")
+    sign: int = -1  # -1: I - gain x y^T (the delta rule), +1: I + gain x y^T (DPLR, IPLR)
 
     def ranges(self) -> dict:
         """Declared range of every input the transition reads."""
@@ -58,10 +63,15 @@ class Model:
             r.update(g_atk=(-INF, 0, True, False), beta_atk=(0, self.atk[2], True, True))
         return r
 
+    def reads(self) -> set:
+        """The vectors the transition reads beside the ranged inputs (ATK's P reads k)."""
+        return (set(self.dirs) | ({"k"} if self.atk else set())) if self.gain != "none" else set()
+
     def text(self) -> str:
         fmt = lambda r: f"{'(' if r[2] else '['}{r[0]}, {r[1]}{')' if r[3] else ']'}"
         rng = self.ranges()
         decl = [f"k[K]{' l2norm' if self.unit_key else ''}", "q[K]", "v[V]"]
+        decl += [f"{n}[K] l2norm" for n in sorted(self.reads() - {"k"})]
         D = {"none": "", "const": "(1 - 2^(-5 - h))", "exp_scalar": "exp(g)", "exp_diag": "diag(exp(g))",
              "signed_scalar": "d", "signed_diag": "diag(d)"}[self.decay]
         if self.decay.startswith("exp"):
@@ -69,21 +79,27 @@ class Model:
         if self.decay.startswith("signed"):
             decl.append(f"d{'[K]' if self.decay == 'signed_diag' else ''} in {fmt(rng['d'])}")
         lines = []
-        mk = "k"
+        x, y = self.dirs
+        mk = x
         if self.atk:
             decl += ["g_atk log shared", f"beta_atk shared in {fmt(rng['beta_atk'])}"]
             lines += ["state P[K] = exp(g_atk) * P + beta_atk * k * k",
                       f"let m = squash(P, x = {self.atk[0]}, center = {self.atk[1]})"]
-            mk = "(m*k)"
+            mk = f"(m*{x})"
         E = ""
         if self.gain == "scalar":
             decl.append(f"b in {fmt(rng['b'])}")
             lines.append(f"let beta = {GAINS[self.gain_fn][0]}")
-            E = f"(I - beta {mk} k^T)"
+            E = f"beta {mk} {y}^T"
         elif self.gain == "channel":
             decl.append(f"b[K] in {fmt(rng['b'])}")
-            E = f"(I - {mk} (b*k)^T)"
-        left = " ".join(x for x in ((E, D) if self.order == "left" else (D, E)) if x)
+            E = f"{mk} (b*{y})^T"
+        pm = "-" if self.sign < 0 else "+"
+        if self.order == "sum" and E:  # D +- E as written: a number per head stands beside I
+            left = f"({D if self.decay.endswith('diag') else f'{D} I'.strip()} {pm} {E})"
+        else:
+            E = f"(I {pm} {E})" if E else ""
+            left = " ".join(t for t in ((E, D) if self.order == "left" else (D, E)) if t)
         return "\n".join(["mixer oracle", "input " + ", ".join(decl), *lines,
                           f"S = {left + ' ' if left else ''}S + k v^T", "o = S^T q"]) + "\n"
 
@@ -97,16 +113,19 @@ class Model:
         return np.exp(tok["g_atk"]) * P + tok["beta_atk"] * np.asarray(tok["k"]) ** 2 if self.atk else P
 
     def matrix(self, tok, P, K, h=0):
-        k = np.asarray(tok.get("k", np.zeros(K)), dtype=float)
         D = {"none": lambda: np.ones(K), "const": lambda: np.full(K, 1 - 2.0 ** (-5 - h)),
              "exp_scalar": lambda: np.full(K, np.exp(tok["g"])), "exp_diag": lambda: np.exp(tok["g"]),
              "signed_scalar": lambda: np.full(K, tok["d"]), "signed_diag": lambda: np.asarray(tok["d"])}[self.decay]()
-        mk = self.m_vector(P) * k if self.atk else k
-        E = np.eye(K)
+        x, y = (np.asarray(tok.get(n, np.zeros(K)), dtype=float) for n in self.dirs)
+        mx = self.m_vector(P) * x if self.atk else x
+        R = np.zeros((K, K))  # the rank-1 term gain x y^T
         if self.gain == "scalar":
-            E = E - GAINS[self.gain_fn][1](tok["b"]) * np.outer(mk, k)
+            R = GAINS[self.gain_fn][1](tok["b"]) * np.outer(mx, y)
         elif self.gain == "channel":
-            E = E - np.outer(mk, np.asarray(tok["b"]) * k)
+            R = np.outer(mx, np.asarray(tok["b"]) * y)
+        if self.order == "sum":
+            return np.diag(D) + self.sign * R
+        E = np.eye(K) + self.sign * R
         return E @ np.diag(D) if self.order == "left" else np.diag(D) @ E
 
 
@@ -124,11 +143,21 @@ EXAMPLES = {
     "gdn2_atk": Model("exp_diag", "channel", b_range=(0, 1, False, False), atk=(1.5, -0.2, 1)),
     "precond_deltanet": Model("exp_scalar", "scalar", atk=(1.5, -0.2, 1)),
     "precond_kda": Model("exp_diag", "scalar", atk=(1.5, -0.2, 1)),
+    "rwkv6": Model("exp_diag", "none"),
+    # diag(exp(w)) - kk (a*kk)^T, a unit kk of its own and a in [0, 1]
+    "rwkv7": Model("exp_diag", "channel", b_range=(0, 1, False, False), dirs=("e", "e"), order="sum"),
+    # diag(exp(gk)) + (beta*b) a^T and I + (beta*b) a^T, with unit a and b and beta in [0, 1]
+    "dplr": Model("exp_diag", "scalar", b_range=(0, 1, False, False), dirs=("x", "y"), sign=1, order="sum"),
+    "iplr": Model("none", "scalar", b_range=(0, 1, False, False), dirs=("x", "y"), sign=1),
+    # (I - beta k p^T) exp(g), beta in (0, 1), unit k and p
+    "comba": Model("exp_scalar", "scalar", dirs=("k", "p")),
 }
 # names of the examples' inputs that differ from the models' (the models call them g, b, g_atk, ...)
 RENAME = {"precond_deltanet": {"beta": "b"}, "precond_kda": {"beta": "b"}, "kda": {"beta": "b"},
           "kda_decay_after_erase": {"beta": "b"}, "deltanet": {"beta": "b"}, "gated_deltanet": {"beta": "b"},
-          "gated_deltanet_negeig": {"beta": "b"}}
+          "gated_deltanet_negeig": {"beta": "b"}, "rwkv6": {"w": "g"}, "rwkv7": {"w": "g", "kk": "e", "a": "b"},
+          "dplr": {"gk": "g", "beta": "b", "b": "x", "a": "y"}, "iplr": {"beta": "b", "b": "x", "a": "y"},
+          "comba": {"beta": "b"}}
 
 
 def renamed(tok: dict, names: dict) -> dict:
@@ -151,11 +180,20 @@ def draw(rng, r, n, edge):
     return x
 
 
+def sparse_vector(rng, K):
+    u = rng.normal(size=K) * (rng.random(K) < 0.7)
+    return u if u.any() else np.eye(K)[0]
+
+
 def token(model: Model, rng, K, edge):
-    tok = {}
-    k = rng.normal(size=K) * (rng.random(K) < 0.7)
-    k = k if k.any() else np.eye(K)[0]
-    tok["k"] = k / np.linalg.norm(k) if model.unit_key else k * rng.choice([0.3, 1.0, 3.0])
+    k = sparse_vector(rng, K)
+    tok = {"k": k / np.linalg.norm(k) if model.unit_key else k * rng.choice([0.3, 1.0, 3.0])}
+    for n in sorted(model.reads() - {"k"}):
+        u = sparse_vector(rng, K)
+        tok[n] = u / np.linalg.norm(u)
+    x, y = model.dirs
+    if edge and x != y and rng.random() < 0.5:  # y = +-x: the extremes of a two-direction erase
+        tok[y] = rng.choice([-1.0, 1.0]) * tok[x] / np.linalg.norm(tok[x])
     per_channel = {"g": model.decay == "exp_diag", "d": model.decay == "signed_diag", "b": model.gain == "channel",
                    "g_atk": False, "beta_atk": False}
     for name, r in model.ranges().items():
@@ -207,11 +245,11 @@ def assert_claims_hold(model: Model, r: dict, count=300, seed=0):
 
 # ---- witnesses -----------------------------------------------------------------------------------
 def assert_admissible(model: Model, tok: dict, K):
-    reads_k = model.gain != "none"  # a witness holds exactly the inputs the transition reads
-    assert set(tok) == set(model.ranges()) | ({"k"} if reads_k else set()), tok
-    if reads_k:
-        k = np.asarray(tok["k"], dtype=float)
-        assert k.shape == (K,) and (not model.unit_key or abs(np.linalg.norm(k) - 1) < 1e-9)
+    # a witness holds exactly the inputs the transition reads
+    assert set(tok) == set(model.ranges()) | model.reads(), tok
+    for n in model.reads():
+        u = np.asarray(tok[n], dtype=float)
+        assert u.shape == (K,) and (n == "k" and not model.unit_key or abs(np.linalg.norm(u) - 1) < 1e-9), (n, u)
     for name, (lo, hi, lo_open, hi_open) in model.ranges().items():
         x = np.asarray(tok[name], dtype=float)
         assert np.all(x > lo if lo_open else x >= lo) and np.all(x < hi if hi_open else x <= hi), (name, x)
@@ -300,7 +338,7 @@ def test_gdn2_two_token_cycle_from_the_issue_grows():  # independent of the chec
     assert best > 1.1
 
 
-@pytest.mark.parametrize("name", ["gdn2", "channel_gates_scalar_decay", "gdn2_atk"])
+@pytest.mark.parametrize("name", ["gdn2", "channel_gates_scalar_decay", "gdn2_atk", "rwkv7", "dplr", "iplr", "comba"])
 def test_bounded_state_witness_grows_in_the_reference_scan(name):
     """Replay the cycle in lrdsl's float64 reference (torch), from S_0 = I with v = 0."""
     import torch
@@ -345,11 +383,31 @@ def test_the_oracle_catches_false_claims():
                            {**r, "facts": {**r["facts"], "negative_eigenvalues": "disproved"}})
 
 
+ADDITIVE_FALSE_CLAIMS = {  # each false for its example: the oracle must reject it
+    "rwkv7-norm": ("rwkv7", {"spectral_norm_le_1": "proved"}), "rwkv7-bounded": ("rwkv7", {"bounded_state": "proved"}),
+    "rwkv7-negeig": ("rwkv7", {"negative_eigenvalues": "disproved"}),
+    "rwkv7-eig": ("rwkv7", {"eigenvalues": {"min": -0.99, "max": 1, "proved": True}}),
+    "dplr-stable": ("dplr", {"stable": "proved"}), "iplr-stable": ("iplr", {"stable": "proved"}),
+    "comba-stable": ("comba", {"stable": "proved"})}
+
+
+@pytest.mark.parametrize("case", sorted(ADDITIVE_FALSE_CLAIMS))
+def test_the_oracle_catches_false_claims_of_the_new_forms(case):
+    """The oracle is not vacuous for erases along their own directions and the additive form either:
+    RWKV-7's eigenvalues reach -1 and its norm exceeds 1; DPLR's, IPLR's and Comba's leave [-1, 1]."""
+    name, claim = ADDITIVE_FALSE_CLAIMS[case]
+    r = example(name)
+    facts = {**r["facts"], **{k: v for k, v in claim.items() if k != "eigenvalues"}}
+    with pytest.raises(AssertionError):
+        assert_claims_hold(EXAMPLES[name], {**r, "facts": facts, "eigenvalues": claim.get("eigenvalues", r["eigenvalues"])})
+
+
 # ---- generated specs -----------------------------------------------------------------------------
 @st.composite
 def models(draw):
     """Gains built from monotone functions of one input, signed decays, unnormalised keys, ATK with
-    various options, channel-wise gates with strong decays, both orders."""
+    various options, channel-wise gates with strong decays, all three orders, erases along their own
+    unit directions (x = y as RWKV-7's, x != y as Comba's) and with either sign."""
     decay = draw(st.sampled_from(["none", "const", "exp_scalar", "exp_diag", "signed_scalar", "signed_diag"]))
     gain = draw(st.sampled_from(["none", "scalar", "channel"]))
     hi = draw(st.sampled_from([1, 2, 3]))
@@ -359,7 +417,9 @@ def models(draw):
     return Model(decay, gain, gain_fn=draw(st.sampled_from(sorted(GAINS))),
                  b_range=(0, hi, draw(st.booleans()), True), d_range=d_range,
                  unit_key=draw(st.sampled_from([True, True, True, False])) if gain != "none" else True,
-                 atk=atk, order=draw(st.sampled_from(["left", "right"])))
+                 atk=atk, order=draw(st.sampled_from(["left", "right", "sum"])),
+                 dirs=draw(st.sampled_from([("k", "k"), ("k", "k"), ("e", "e"), ("k", "p")])),
+                 sign=draw(st.sampled_from([-1, -1, -1, 1])))
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
