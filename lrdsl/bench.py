@@ -135,6 +135,52 @@ TWINS["gdn2_atk"] = TWINS["gdn2"]
 TWINS["kda_decay_after_erase"] = ("generalized_delta_rule.chunk_dplr_delta_rule", _dplr_args)
 TWINS["mesa_retention"] = TWINS["mesa"]  # FLA's gated Mesa (fresh g), lamb from lamb_raw
 
+# The RWKV side. lrdsl's scale (K^-0.5 by default) is passed on: chunk_rwkv7 would take 1.0. FLA's
+# generalized delta rule is S = (D + b a^T) S + k v^T: a reads the state, b writes (its naive loop
+# adds b (a^T S)); where the spec normalises a direction inside, FLA gets it normalised in the call.
+
+
+def _scale(x: dict) -> float:
+    return x["q"].shape[-1] ** -0.5
+
+
+def _l2norm(x):
+    """x rsqrt(|x|^2 + 1e-6): the spec's l2norm, and FLA's own l2norm_fwd (F.normalize differs by
+    1e-6 / |x|^2 relative, visible at tiny K)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _rwkv6_args(x: dict) -> dict:
+    """chunk_rwkv6: o = S_prev^T (scale q) + (scale q)^T (u*k) v, w the log-decay, u [H, K]."""
+    return dict(r=x["q"], k=x["k"], v=x["v"], w=x["w"], u=x["u"], scale=_scale(x))
+
+
+def _rwkv7_args(x: dict) -> dict:
+    """chunk_rwkv7 as RWKV-7 calls it: diag(exp(w)) - (a*kk) kk^T is D + b a^T with a = -kk, b = kk*a."""
+    kk = _l2norm(x["kk"])
+    return dict(r=x["q"], w=x["w"], k=x["k"], v=x["v"], a=-kk,
+                b=(kk.float() * x["a"].float()).to(kk.dtype), scale=_scale(x))
+
+
+def _gated_b(x: dict):
+    """beta*b with b normalised: the write direction of examples/dplr.lr and iplr.lr."""
+    b = _l2norm(x["b"])
+    return (b.float() * x["beta"].float()[..., None]).to(b.dtype)
+
+
+TWINS["rwkv6"] = ("rwkv6.chunk_rwkv6", _rwkv6_args)
+TWINS["rwkv7"] = ("rwkv7.chunk_rwkv7", _rwkv7_args)
+TWINS["dplr"] = ("generalized_delta_rule.chunk_dplr_delta_rule", lambda x: dict(
+    q=x["q"], k=x["k"], v=x["v"], a=_l2norm(x["a"]), b=_gated_b(x), gk=x["gk"], scale=_scale(x)))
+TWINS["iplr"] = ("generalized_delta_rule.chunk_iplr_delta_rule", lambda x: dict(
+    q=x["q"], k=x["k"], v=x["v"], a=_l2norm(x["a"]), b=_gated_b(x), scale=_scale(x)))
+# Comba: (I - beta k p^T) exp(g) S + beta k v^T is FLA's recurrence (v - S^T p, times beta, written
+# along k); its in-kernel norm normalises p with q and k
+TWINS["comba"] = ("comba.chunk_comba", lambda x: dict(
+    q=x["q"], k=x["k"], v=x["v"], p=x["p"], g=x["g"], beta=x["beta"], scale=_scale(x),
+    use_qk_l2norm_in_kernel=True))
+
 
 def twin(mixer):
     """(FLA op name, a function of the inputs giving its output) or None."""
@@ -152,12 +198,18 @@ def twin(mixer):
     except Exception:  # fla-core not installed, or an older one without this op
         return None
 
+    fresh = {}  # gates the spec lacks, drawn at the first call: not in the timed ones after it
+
     def run(x, prenormalised=False):
         full = dict(x, **{PRENORMALISED: prenormalised})
         q = x["q"]
-        for n, shape in (("g", q.shape[:3]), ("beta", q.shape[:3])):
-            full.setdefault(n, torch.rand(shape, device=q.device) if n == "beta" else
-                            F.logsigmoid(torch.randn(shape, device=q.device) + 3))
+        for n in ("g", "beta"):
+            if n not in full:
+                key = (n, tuple(q.shape[:3]), q.device)
+                if key not in fresh:
+                    fresh[key] = (torch.rand(q.shape[:3], device=q.device) if n == "beta" else
+                                  F.logsigmoid(torch.randn(q.shape[:3], device=q.device) + 3))
+                full[n] = fresh[key]
         if name.startswith(("kda", "gla")) and full["g"].dim() == 3:
             full["g"] = full["g"][..., None].expand_as(q).contiguous()
         kw = args(full)
@@ -255,7 +307,8 @@ def bench(mixer, s: Shape, backward: bool = False, with_twin: bool = True, log=p
             if _prenormalisable(mixer):
                 # FLA's separate l2-norm launches can cost more than the op: the anchor is the faster
                 # of FLA with its in-kernel norm and FLA on q, k normalised outside the timed call
-                xn = dict(x, q=_unit(x["q"]), k=_unit(x["k"]))
+                # (and every other input the spec normalises: comba's p, which FLA's norm takes too)
+                xn = dict(x, **{i.name: _unit(x[i.name]) for i in mixer.ir.inputs if i.l2norm})
                 pre = measure(lambda x: tw[1](x, prenormalised=True), xn, s, backward)
                 log(f"  {mixer.name}: fla {tw[0]} on pre-normalised q, k {pre}")
                 for key in ("fwd_ms", "both_ms", "fwd_gpu_ms", "both_gpu_ms"):

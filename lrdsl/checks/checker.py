@@ -144,7 +144,7 @@ def _symmetric_form(mixer, rg, d, a, c, D, u):
         return None
     lo, hi = _meet(rg.of(dw), rg.of(d * a * c / u ** 2))  # as written, and simplified
     # x_i y_i = dw u_i^2: where it keeps one sign, diag(sqrt(|y_i / x_i|)) makes M symmetric
-    # (RWKV-7's diag(exp(w)) - kk (a*kk)^T with a >= 0), whatever x / y is per channel
+    # (RWKV-7's diag(exp(w)) - (a*kk) kk^T with a >= 0), whatever x / y is per channel
     per_head = not _per_channel(mixer, lam)
     if not per_head and not (lo >= 0 or hi <= 0):
         return None
