@@ -143,6 +143,38 @@ def step_precond_kda(S, P, z):
     return M @ S + b * torch.outer(mk, z["v"]), P
 
 
+def step_rwkv6(S, P, z):
+    return torch.diag(torch.exp(z["w"])) @ S + torch.outer(z["k"], z["v"]), P
+
+
+def read_rwkv6(S_prev, S, z, scale):
+    """RWKV-6 reads the state before the token's write, plus the bonus u on its own key."""
+    q = scale * z["q"]
+    return S_prev.T @ q + (q * z["u"] * z["k"]).sum() * z["v"]
+
+
+def step_rwkv7(S, P, z):
+    kk = l2(z["kk"])
+    M = torch.diag(torch.exp(z["w"])) - torch.outer(z["a"] * kk, kk)  # erase along kk, write along a*kk
+    return M @ S + torch.outer(z["k"], z["v"]), P
+
+
+def step_dplr(S, P, z):
+    M = torch.diag(torch.exp(z["gk"])) + z["beta"] * torch.outer(l2(z["b"]), l2(z["a"]))
+    return M @ S + torch.outer(z["k"], z["v"]), P
+
+
+def step_iplr(S, P, z):
+    M = eye(z) + z["beta"] * torch.outer(l2(z["b"]), l2(z["a"]))
+    return M @ S + torch.outer(z["k"], z["v"]), P
+
+
+def step_comba(S, P, z):
+    k, b = z["k"], z["beta"]
+    M = torch.exp(z["g"]) * (eye(z) - b * torch.outer(k, l2(z["p"])))
+    return M @ S + b * torch.outer(k, z["v"]), P
+
+
 ATK = {"g_atk": ("H", None, "log"), "beta_atk": ("H", None, "gate")}
 MODELS = {  # example -> (l2norm q and k, inputs besides q k v, step, has an aux state)
     "linear_attention": (False, {}, step_linear, False),
@@ -168,6 +200,15 @@ MODELS = {  # example -> (l2norm q and k, inputs besides q k v, step, has an aux
                          step_precond_gdn, True),
     "precond_kda": (True, {"g": ("HV", "K", "log"), "beta": ("HV", None, "gate"), **ATK},
                     step_precond_kda, True),
+    "rwkv6": (False, {"w": ("HV", "K", "log"), "u": ("HV", "K", "param")}, step_rwkv6, False, read_rwkv6),
+    "rwkv7": (False, {"w": ("HV", "K", "log"), "kk": ("HV", "K", "normal"), "a": ("HV", "K", "unit")},
+              step_rwkv7, False),
+    "dplr": (False, {"gk": ("HV", "K", "log"), "a": ("HV", "K", "normal"), "b": ("HV", "K", "normal"),
+                     "beta": ("HV", None, "unit")}, step_dplr, False),
+    "iplr": (False, {"a": ("HV", "K", "normal"), "b": ("HV", "K", "normal"), "beta": ("HV", None, "unit")},
+             step_iplr, False),
+    "comba": (True, {"p": ("HV", "K", "normal"), "g": ("HV", None, "log"), "beta": ("HV", None, "gate")},
+              step_comba, False),
 }
 AUX = sorted(n for n, m in MODELS.items() if m[3])
 PLAIN = sorted(n for n, m in MODELS.items() if not m[3])
@@ -208,7 +249,8 @@ def make_inputs(name, B=2, T=7, H=2, HV=4, K=5, V=3, seed=0, dtype=torch.float64
 
 def direct(name, q, k, v, inputs, scale=None, h0=None, P0=None):
     """The model's recurrence, one value head at a time. Returns o [B, T, HV, V], S [B, HV, K, V], P."""
-    norm, decl, step, _ = MODELS[name]
+    norm, decl, step, _, *read = MODELS[name]
+    read = read[0] if read else (lambda S_prev, S, z, scale: S.T @ (scale * z["q"]))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // H
@@ -229,8 +271,9 @@ def direct(name, q, k, v, inputs, scale=None, h0=None, P0=None):
                 for nm, (heads, _, dist) in decl.items():
                     x = inputs[nm] if dist == "param" else inputs[nm][b, t]
                     z[nm] = x[h if heads == "H" else hv].double()
+                S_prev = S
                 S, P = step(S, P, z)
-                o[b, t, hv] = S.T @ (scale * qt)
+                o[b, t, hv] = read(S_prev, S, z, scale)
             S_out[b, hv], P_out[b, hv] = S, P
     return o, S_out, P_out
 
