@@ -36,6 +36,8 @@ def not_staged(m: ir.Mixer) -> str:
     = D S + a (z - c^T D S)^T, so one pairwise matrix and one solve give the corrected values."""
     if m.delta is not None and m.delta.order == "right":
         return "a decay after the erase takes the general kernels"
+    if m.delta is not None and m.delta.order == "sum":
+        return "the additive transition D - a c^T takes the general kernels"
     if m.delta is not None and simplified(m.delta.a - m.write.key) != 0:
         return "the erase direction differs from the write key"
     if any(i.l2norm and i.kind == "V" for i in m.inputs):
@@ -54,12 +56,13 @@ def split_ir(m: ir.Mixer) -> ir.Mixer | None:
     a, c, u = m.delta.a, m.delta.c, m.write.key
     key = u if simplified(a - u) == 0 else (1 - p) * a + p * u
     decays = p if m.delta.order == "right" else 1 - p  # the phase that has the decay
+    order = "sum" if m.delta.order == "sum" else "left"  # (D - a c^T) S, then S + u z^T
     decay = m.decay
     if decay.kind != "identity":
         kind = "diagonal" if decay.kind == "diagonal" else "scalar"
         decay = ir.Decay(kind, sp.exp(gate(decays, m.log_decay())))
     out = dataclasses.replace(m, name=m.name + "_split", inputs=(*m.inputs, phase), decay=decay,
-                              delta=ir.Delta(key, (1 - p) * c, "left"), write=ir.Write(key, p * m.write.value))
+                              delta=ir.Delta(key, (1 - p) * c, order), write=ir.Write(key, p * m.write.value))
     return None if not_staged(out) else out
 
 

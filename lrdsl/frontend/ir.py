@@ -124,7 +124,7 @@ class Decay:
 class Delta:
     a: sp.Expr  # write direction of the erase (K)
     c: sp.Expr  # read direction of the erase (K)
-    order: str  # "left": (I - a c^T) D;  "right": D (I - a c^T)
+    order: str  # "left": (I - a c^T) D;  "right": D (I - a c^T);  "sum": D - a c^T
 
 
 @dataclass(frozen=True)
