@@ -291,6 +291,13 @@ class Plan:
         return self.order in ("right", "sum")
 
     @property
+    def erase_read_shift(self) -> str:
+        """Triton text that takes G (a block variable b_G, cumulated log-decays) to c's exponent in
+        the staged kernels: " - b_gl", the token's own log-decay, where the erase reads before the
+        decay (plan.erase_read_exclusive), else "". Never an exponent of -gl alone."""
+        return " - b_gl" if self.erase_read_exclusive else ""
+
+    @property
     def erase_write_exclusive(self) -> bool:
         """The erase's direction a is decayed by this token's decay after it is written (order
         "right": D (I - a c^T)): a carries Gx too; in "left" and "sum" a is written after the decay

@@ -36,8 +36,6 @@ def not_staged(m: ir.Mixer) -> str:
     = D S + a (z - c^T D S)^T, so one pairwise matrix and one solve give the corrected values."""
     if m.delta is not None and m.delta.order == "right":
         return "a decay after the erase takes the general kernels"
-    if m.delta is not None and m.delta.order == "sum":
-        return "the additive transition D - a c^T takes the general kernels"
     if m.delta is not None and simplified(m.delta.a - m.write.key) != 0:
         return "the erase direction differs from the write key"
     if any(i.l2norm and i.kind == "V" for i in m.inputs):
