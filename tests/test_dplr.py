@@ -351,3 +351,37 @@ def test_the_strong_decay_test_catches_a_negated_exponent():
     with torch.no_grad():
         o, _ = mixer.chunk(**x, **opts)
     assert not torch.isfinite(o).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["rwkv7", "dplr_scalar", "gdn_sum", "kda_sum"])
+def test_sum_order_bf16_with_strong_decays_gpu(name):
+    """On the GPU (bf16 inputs, fp32 log-decays, K = V = 128): the default route's chunk forward and
+    backward and recurrent against the float64 reference, with w at -1e8 and -inf on single tokens
+    and -30 on a 4-token run (a 16-token block past exp(-60): the exact diagonal path); test_gpu's
+    limits."""
+    from test_gpu import GATE_TOL, QKV_TOL, draw
+    mixer = sum_mixer(name)
+    B, T, H, K, V = 1, 1000, 2, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    x["w"] = x["w"].float()
+    x["w"][0, 100] = -1e8
+    x["w"][0, 555] = float("-inf")
+    x["w"][0, 706:710] = -30.0
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda")
+    ref_leaves = {n: t.double().requires_grad_() for n, t in x.items()}
+    ref_o, ref_s = mixer.reference(**ref_leaves, output_final_state=True)
+    (ref_o * do.double()).sum().backward()
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, s = mixer.chunk(**leaves, output_final_state=True)
+    (o.double() * do.double()).sum().backward()
+    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s),
+            **{"d" + n: rms_ratio(leaves[n].grad, ref_leaves[n].grad) for n in x}}
+    with torch.no_grad():
+        o_r, s_r = mixer.recurrent(**x, output_final_state=True)
+    errs.update({"recurrent o": rms_ratio(o_r, ref_o), "recurrent S": rms_ratio(s_r, ref_s)})
+    bad = {n: e for n, e in errs.items()
+           if not e < (5e-3 if n in ("o", "S") or " " in n else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL)}
+    assert not bad, (name, bad)
