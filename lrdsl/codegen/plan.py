@@ -196,7 +196,7 @@ class Plan:
     decay: str  # Triton text of d_t
     uses_head: bool  # some expression uses the head index h
     delta: bool
-    order: str  # "left" | "right" ("" without delta)
+    order: str  # "left" | "right" | "sum" ("" without delta)
     erase_a: str
     erase_c: str
     write_key: str
@@ -282,6 +282,27 @@ class Plan:
     def output_dirty_branch(self) -> bool:
         """The route's dirty-chunk branch, where there are dirty chunks to take (causal_nonfinite)."""
         return self.route.output_dirty_branch and self.causal_nonfinite
+
+    @property
+    def erase_read_exclusive(self) -> bool:
+        """The erase reads the state before this token's decay (orders "right" and "sum"): in the
+        chunk's decayed frame its read direction c carries the decay cumulated before the token,
+        G - g ("Gx"), where "left" has G."""
+        return self.order in ("right", "sum")
+
+    @property
+    def erase_read_shift(self) -> str:
+        """Triton text that takes G (a block variable b_G, cumulated log-decays) to c's exponent in
+        the staged kernels: " - b_gl", the token's own log-decay, where the erase reads before the
+        decay (plan.erase_read_exclusive), else "". Never an exponent of -gl alone."""
+        return " - b_gl" if self.erase_read_exclusive else ""
+
+    @property
+    def erase_write_exclusive(self) -> bool:
+        """The erase's direction a is decayed by this token's decay after it is written (order
+        "right": D (I - a c^T)): a carries Gx too; in "left" and "sum" a is written after the decay
+        and carries G."""
+        return self.order == "right"
 
     @property
     def head_index(self) -> str:

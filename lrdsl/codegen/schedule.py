@@ -199,9 +199,17 @@ def _fwd_holes(plan: Plan) -> dict:
     flag = ('    if not (tl.abs(chk) < float("inf")):\n'
             "        tl.store(dirty_ptr + i_all * HV + i_hv, 1)")
     output_factor = "  # the output stage's (plan.output_factors)"
+    # the erase reads the state before the token's decay (order "sum"): c's exponent in the chunk
+    # frame is G - gl, where G is u's and r's (the token's own log-decay gl, never its negation alone)
+    c_gx = plan.erase_read_shift
     return dict(
         decays=decays,
         keys_in_solve=keys_in_solve,
+        c_gx=c_gx,
+        # c decayed to the 16-token block's start ref_i (solve_diagonal): b_dec's, or its own factor
+        c_dec="tl.exp(b_G - b_gl - b_ref{i}[None, :])" if c_gx else "b_dec",
+        c_G="b_G - b_gl" if c_gx else "b_G",  # c's rows' G in the exact diagonal block
+        c_row="b_Gc" if c_gx else "b_G",  # A's rows' G per block (solve_scalar)
         blocks=nb,
         # the solve's diagonal blocks: X's and A's (arguments), the inverses a helper returns
         diagonal_x=", ".join(f"b_X{i}{i}" for i in range(nb)),
@@ -248,7 +256,7 @@ def _fwd_holes(plan: Plan) -> dict:
         wy_form="raw" if plan.raw_wy else "dense",
         wy_keys=wy_keys,
         wy_redo_keys="wy_redo_keys_diagonal" if diag else "wy_redo_keys",
-        wy_redo_decay="    b_ck = b_ck * tl.exp(tl.cumsum(b_gl, 0))[:, None]" if decays else "",
+        wy_redo_decay=f"    b_ck = b_ck * tl.exp(tl.cumsum(b_gl, 0){c_gx})[:, None]" if decays else "",
         wy_output_factor=f"    tl.store(fo_ptr + rows * HV + i_hv, b_f, mask=m_t){output_factor}" if fo else "",
         wy_check_early="        chk = tl.sum(b_ai.to(tl.float32)) + tl.sum(b_z0)" if nonfinite else "",
         wy_check_late="        chk = tl.sum(b_ai.to(tl.float32))" if nonfinite else "",
@@ -320,13 +328,15 @@ def _staged_backward(plan: Plan) -> tuple:
                 "staged_bwd_host_key.py.jinja")
     stage3 = ("staged_bwd_dk_erase.py.jinja" if plan.delta else "staged_bwd_dk.py.jinja",)
     host = "staged_bwd_host.py.jinja"
+    # c's shares on G - g moved to the token before (order "sum", a decay per token and head)
+    helpers = ("staged_bwd_read_before.py.jinja",) if plan.erase_read_shift and plan.decay_kind != "identity" else ()
     if plan.split_dr:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dr.py.jinja", "staged_bwd_dk_split.py.jinja")
         host = "staged_bwd_host_split.py.jinja"
     elif plan.split_dk:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dk_de.py.jinja")
         host = "staged_bwd_host_de.py.jinja"
-    return ("staged_bwd_dq.py.jinja", dstate, *stage3, host)
+    return (*helpers, "staged_bwd_dq.py.jinja", dstate, *stage3, host)
 
 
 def _bwd_decay(plan: Plan) -> str:

@@ -54,12 +54,13 @@ def split_ir(m: ir.Mixer) -> ir.Mixer | None:
     a, c, u = m.delta.a, m.delta.c, m.write.key
     key = u if simplified(a - u) == 0 else (1 - p) * a + p * u
     decays = p if m.delta.order == "right" else 1 - p  # the phase that has the decay
+    order = "sum" if m.delta.order == "sum" else "left"  # (D - a c^T) S, then S + u z^T
     decay = m.decay
     if decay.kind != "identity":
         kind = "diagonal" if decay.kind == "diagonal" else "scalar"
         decay = ir.Decay(kind, sp.exp(gate(decays, m.log_decay())))
     out = dataclasses.replace(m, name=m.name + "_split", inputs=(*m.inputs, phase), decay=decay,
-                              delta=ir.Delta(key, (1 - p) * c, "left"), write=ir.Write(key, p * m.write.value))
+                              delta=ir.Delta(key, (1 - p) * c, order), write=ir.Write(key, p * m.write.value))
     return None if not_staged(out) else out
 
 

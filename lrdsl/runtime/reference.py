@@ -132,6 +132,8 @@ def scan(m: ir.Mixer, b: Batch):
                 if m.delta.order == "left":
                     S = d * S
                     S = S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True)
+                elif m.delta.order == "sum":  # (D - a c^T) S: the erase reads the state before the decay
+                    S = d * S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True)
                 else:
                     S = d * (S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True))
             key, val = f_key(env), f_val(env)
