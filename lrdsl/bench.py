@@ -164,7 +164,7 @@ def _rwkv7_args(x: dict) -> dict:
 
 
 def _gated_b(x: dict):
-    """beta*b with b normalised: the write direction of examples/dplr.lr and iplr.lr."""
+    """beta*b with b normalised: the write direction of examples/dplr.lr."""
     b = _l2norm(x["b"])
     return (b.float() * x["beta"].float()[..., None]).to(b.dtype)
 
@@ -173,8 +173,8 @@ TWINS["rwkv6"] = ("rwkv6.chunk_rwkv6", _rwkv6_args)
 TWINS["rwkv7"] = ("rwkv7.chunk_rwkv7", _rwkv7_args)
 TWINS["dplr"] = ("generalized_delta_rule.chunk_dplr_delta_rule", lambda x: dict(
     q=x["q"], k=x["k"], v=x["v"], a=_l2norm(x["a"]), b=_gated_b(x), gk=x["gk"], scale=_scale(x)))
-TWINS["iplr"] = ("generalized_delta_rule.chunk_iplr_delta_rule", lambda x: dict(
-    q=x["q"], k=x["k"], v=x["v"], a=_l2norm(x["a"]), b=_gated_b(x), scale=_scale(x)))
+TWINS["iplr"] = ("generalized_delta_rule.chunk_iplr_delta_rule", lambda x: {
+    ("q" if n == "r" else n): t for n, t in _rwkv7_args(dict(x, w=None)).items() if n != "w"})
 # Comba: (I - beta k p^T) exp(g) S + beta k v^T is FLA's recurrence (v - S^T p, times beta, written
 # along k); its in-kernel norm normalises p with q and k
 TWINS["comba"] = ("comba.chunk_comba", lambda x: dict(

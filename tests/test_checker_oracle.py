@@ -148,7 +148,7 @@ EXAMPLES = {
     "rwkv7": Model("exp_diag", "channel", b_range=(0, 1, False, False), dirs=("e", "e"), order="sum"),
     # diag(exp(gk)) + (beta*b) a^T and I + (beta*b) a^T, with unit a and b and beta in [0, 1]
     "dplr": Model("exp_diag", "scalar", b_range=(0, 1, False, False), dirs=("x", "y"), sign=1, order="sum"),
-    "iplr": Model("none", "scalar", b_range=(0, 1, False, False), dirs=("x", "y"), sign=1),
+    "iplr": Model("none", "channel", b_range=(0, 1, False, False), dirs=("e", "e"), order="sum"),
     # (I - beta k p^T) exp(g), beta in (0, 1), unit k and p
     "comba": Model("exp_scalar", "scalar", dirs=("k", "p")),
 }
@@ -156,7 +156,7 @@ EXAMPLES = {
 RENAME = {"precond_deltanet": {"beta": "b"}, "precond_kda": {"beta": "b"}, "kda": {"beta": "b"},
           "kda_decay_after_erase": {"beta": "b"}, "deltanet": {"beta": "b"}, "gated_deltanet": {"beta": "b"},
           "gated_deltanet_negeig": {"beta": "b"}, "rwkv6": {"w": "g"}, "rwkv7": {"w": "g", "kk": "e", "a": "b"},
-          "dplr": {"gk": "g", "beta": "b", "b": "x", "a": "y"}, "iplr": {"beta": "b", "b": "x", "a": "y"},
+          "dplr": {"gk": "g", "beta": "b", "b": "x", "a": "y"}, "iplr": {"kk": "e", "a": "b"},
           "comba": {"beta": "b"}}
 
 
@@ -387,7 +387,7 @@ ADDITIVE_FALSE_CLAIMS = {  # each false for its example: the oracle must reject 
     "rwkv7-norm": ("rwkv7", {"spectral_norm_le_1": "proved"}), "rwkv7-bounded": ("rwkv7", {"bounded_state": "proved"}),
     "rwkv7-negeig": ("rwkv7", {"negative_eigenvalues": "disproved"}),
     "rwkv7-eig": ("rwkv7", {"eigenvalues": {"min": -0.99, "max": 1, "proved": True}}),
-    "dplr-stable": ("dplr", {"stable": "proved"}), "iplr-stable": ("iplr", {"stable": "proved"}),
+    "dplr-stable": ("dplr", {"stable": "proved"}), "iplr-bounded": ("iplr", {"bounded_state": "proved"}),
     "comba-stable": ("comba", {"stable": "proved"})}
 
 

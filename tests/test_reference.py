@@ -165,7 +165,8 @@ def step_dplr(S, P, z):
 
 
 def step_iplr(S, P, z):
-    M = eye(z) + z["beta"] * torch.outer(l2(z["b"]), l2(z["a"]))
+    kk = l2(z["kk"])
+    M = eye(z) - torch.outer(z["a"] * kk, kk)
     return M @ S + torch.outer(z["k"], z["v"]), P
 
 
@@ -205,8 +206,7 @@ MODELS = {  # example -> (l2norm q and k, inputs besides q k v, step, has an aux
               step_rwkv7, False),
     "dplr": (False, {"gk": ("HV", "K", "log"), "a": ("HV", "K", "normal"), "b": ("HV", "K", "normal"),
                      "beta": ("HV", None, "unit")}, step_dplr, False),
-    "iplr": (False, {"a": ("HV", "K", "normal"), "b": ("HV", "K", "normal"), "beta": ("HV", None, "unit")},
-             step_iplr, False),
+    "iplr": (False, {"kk": ("HV", "K", "normal"), "a": ("HV", "K", "unit")}, step_iplr, False),
     "comba": (True, {"p": ("HV", "K", "normal"), "g": ("HV", None, "log"), "beta": ("HV", None, "gate")},
               step_comba, False),
 }
