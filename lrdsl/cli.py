@@ -261,7 +261,7 @@ def kernels_text(m) -> str:
 
 
 def cmd_check(args) -> int:
-    from lrdsl.checks.checker import explain, stability_error
+    from lrdsl.checks.checker import error_span, explain, stability_error
     if args.plot:
         from lrdsl import checkplot
         if not checkplot.available():
@@ -284,7 +284,7 @@ def cmd_check(args) -> int:
     if inverse:
         raise SpecError(inverse[0], inverse[1], m.source, m.filename)
     if msg:
-        raise SpecError(msg, m.ir.error_span(facts), m.source, m.filename)
+        raise SpecError(msg, error_span(m.ir, facts), m.source, m.filename)
     return 0
 
 
