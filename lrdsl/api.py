@@ -528,10 +528,10 @@ def compile(path: str | os.PathLike | None = None, *, text: str | bytes | None =
         raise SpecError(bad[0], bad[1], source, filename)
     mixer = Mixer(m, source, filename, keep_intermediates, check_ranges)
     if check_stability:
-        from lrdsl.checks.checker import stability_error
+        from lrdsl.checks.checker import error_span, stability_error
         msg = stability_error(m, mixer._facts)
         if msg:
-            raise SpecError(msg, m.error_span(mixer._facts), source, filename)
+            raise SpecError(msg, error_span(m, mixer._facts), source, filename)
     if load_kernels:
         mixer._load_kernels()
     return mixer

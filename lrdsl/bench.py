@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lrdsl.options import comma_ints
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -27,10 +29,10 @@ class Shape:
 
 
 def parse_shape(text: str) -> Shape:
-    parts = text.split(",")
-    if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"--shape takes five positive integers B,T,H,K,V, got {text!r}")
-    return Shape(*(int(p) for p in parts))
+    try:
+        return Shape(*comma_ints(text, count=5))
+    except ValueError:
+        raise ValueError(f"--shape takes five positive integers B,T,H,K,V, got {text!r}") from None
 
 
 def draw(mixer, s: Shape, dtype=torch.bfloat16, device="cuda", seed=0) -> dict:

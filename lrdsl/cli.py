@@ -101,52 +101,75 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _ints(text: str) -> tuple:
-    parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return tuple(sorted({int(p) for p in parts}))
+    """A sorted set of positive integers from a comma list (argparse prints the error after the flag)."""
+    from lrdsl.options import comma_ints
+    try:
+        return tuple(sorted(set(comma_ints(text))))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# the defaults of lrdsl.mqar.Config (written out: importing it would import torch for every command)
-MQAR_DEFAULTS = dict(seq_lens="64,128", pairs="4,8,16,32", vocab=256, d_model=128, n_layers=2, heads=4,
-                     head_dim=32, steps=3000, batch=128, lr=3e-3, eval_sequences=256, seed=0)
+# a minute or two per spec on 2 CPU cores through Triton's interpreter: 30 training steps and
+# 2 x 32 held-out sequences in batches of 4
+MQAR_CPU_RECIPE = ("--seq-lens 16 --pairs 2,4 --vocab 32 --d-model 32 --layers 1",
+                   "--heads 1 --head-dim 16 --batch 4 --steps 30 --eval-sequences 32")
+MQAR_ABOUT = ("Multi-query associative recall (the Zoology setting): each sequence holds key-value pairs, then "
+              "every key is queried once; the model must answer with its value. One model per spec (embedding, "
+              "n x [lrdsl.nn.Layer, MLP], RMSNorm, head), trained for a fixed number of steps on every "
+              "(sequence length, pairs) setting in turn, then evaluated on fresh sequences of each setting; "
+              "every spec sees the same data. Prints the accuracy per spec and setting. The defaults are sized "
+              "for a GPU (bf16 autocast); on a CPU (Triton's interpreter) take a tiny setting, a minute or two "
+              "per spec:")
 
 
 def _mqar_parser(sub) -> None:
-    d = MQAR_DEFAULTS
+    import textwrap
+    from dataclasses import fields
+
+    from lrdsl.options import Config
+    d = Config()
+    recipe = "  lrdsl mqar examples/gated_deltanet.lr {} \\\n      {}".format(*MQAR_CPU_RECIPE)
     m = sub.add_parser("mqar", help="multi-query associative recall: train a small model per spec, compare accuracy",
-                       description="Multi-query associative recall (the Zoology setting): each sequence holds "
-                       "key-value pairs, then every key is queried once; the model must answer with its value. "
-                       "One model per spec (embedding, n x [lrdsl.nn.Layer, MLP], RMSNorm, head), trained for "
-                       "a fixed number of steps on every (sequence length, pairs) setting in turn, then "
-                       "evaluated on fresh sequences of each setting; every spec sees the same data. Prints "
-                       "the accuracy per spec and setting. The defaults are sized for a GPU (bf16 autocast); "
-                       "on a CPU (Triton's interpreter) take a tiny setting, e.g. --seq-lens 16 --pairs 2,4 "
-                       "--vocab 32 --d-model 32 --heads 1 --head-dim 16 --batch 4 --steps 30.")
+                       description=textwrap.fill(MQAR_ABOUT, 100) + "\n\n" + recipe,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("spec", nargs="+", help="path(s) to .lr spec files")
-    m.add_argument("--steps", type=int, default=d["steps"], help="training steps per spec (default: %(default)s)")
-    m.add_argument("--batch", type=int, default=d["batch"], help="sequences per step (default: %(default)s)")
-    m.add_argument("--lr", type=float, default=d["lr"],
-                   help="peak learning rate of Adam, after a warm-up, before a cosine decay (default: %(default)s)")
-    m.add_argument("--seq-lens", type=_ints, default=d["seq_lens"], metavar="T,T,...",
-                   help="sequence lengths (default: %(default)s)")
-    m.add_argument("--pairs", type=_ints, default=d["pairs"], metavar="P,P,...",
-                   help="numbers of key-value pairs; a setting needs T >= 4 P (default: %(default)s)")
-    m.add_argument("--vocab", type=int, default=d["vocab"],
-                   help="vocabulary size: keys from the lower half, values from the upper (default: %(default)s)")
-    m.add_argument("--d-model", type=int, default=d["d_model"], metavar="D", help="model width (default: %(default)s)")
-    m.add_argument("--layers", type=int, default=d["n_layers"], metavar="N",
-                   help="blocks of mixer and MLP (default: %(default)s)")
-    m.add_argument("--heads", type=int, default=d["heads"], metavar="H", help="heads per mixer (default: %(default)s)")
-    m.add_argument("--head-dim", type=int, default=d["head_dim"], metavar="K", help="K = V (default: %(default)s)")
-    m.add_argument("--eval-sequences", type=int, default=d["eval_sequences"], metavar="N",
-                   help="held-out sequences per setting (default: %(default)s)")
-    m.add_argument("--seed", type=int, default=d["seed"],
-                   help="seed of the data and of the initialisation, the same for every spec (default: %(default)s)")
+    # every field of Config is a flag, its default the field's (tests/test_mqar.py holds them equal)
+    helps = {
+        "steps": ("N", "training steps per spec"),
+        "batch": ("N", "sequences per step (and per evaluation pass)"),
+        "lr": ("LR", "peak learning rate of Adam, after a warm-up, before a cosine decay"),
+        "seq_lens": ("T,T,...", "sequence lengths"),
+        "pairs": ("P,P,...", "numbers of key-value pairs; a setting needs T >= 4 P"),
+        "vocab": ("N", "vocabulary size: keys from the lower half, values from the upper"),
+        "d_model": ("D", "model width"),
+        "n_layers": ("N", "blocks of mixer and MLP"),
+        "heads": ("H", "heads per mixer"),
+        "head_dim": ("K", "K = V"),
+        "eval_sequences": ("N", "held-out sequences per setting"),
+        "seed": ("S", "seed of the data and of the initialisation, the same for every spec"),
+    }
+    for f in fields(Config):
+        metavar, text = helps[f.name]
+        default = getattr(d, f.name)
+        if isinstance(default, tuple):  # shown and parsed as the comma list one types
+            kind, default = _ints, ",".join(map(str, default))
+        else:
+            kind = type(default)
+        flag = "--layers" if f.name == "n_layers" else "--" + f.name.replace("_", "-")
+        m.add_argument(flag, dest=f.name, type=kind, default=default, metavar=metavar,
+                       help=f"{text} (default: %(default)s)")
     m.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where to train (default: cuda when available, else cpu through Triton's interpreter)")
     m.add_argument("--plot", metavar="FILE", default=None,
                    help="save a plot of accuracy against pairs, one line per spec, one panel per T (needs matplotlib)")
+
+
+def mqar_config(args):
+    """The Config that `lrdsl mqar`'s parsed arguments ask for."""
+    from dataclasses import fields
+
+    from lrdsl.options import Config
+    return Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
 
 
 def cmd_bench(args) -> int:
@@ -241,7 +264,7 @@ def kernels_text(m) -> str:
 
 
 def cmd_check(args) -> int:
-    from lrdsl.checks.checker import explain, stability_error
+    from lrdsl.checks.checker import error_span, explain, stability_error
     if args.plot:
         from lrdsl import checkplot
         if not checkplot.available():
@@ -260,7 +283,7 @@ def cmd_check(args) -> int:
         checkplot.draw(m, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
     if msg:
-        raise SpecError(msg, m.ir.error_span(facts), m.source, m.filename)
+        raise SpecError(msg, error_span(m.ir, facts), m.source, m.filename)
     return 0
 
 
@@ -353,22 +376,10 @@ def _refuse_shadowing(name: str, path) -> None:
                          f"which {path} would shadow; rename the mixer")
 
 
-class _ProgressBar:
-    """`[#####.....] 12/50` on stderr, redrawn in place."""
-
-    def __init__(self, width: int = 30):
-        self.width, self.drawn = width, False
-
-    def __call__(self, done: int, total: int, shrinking: bool) -> None:
-        filled = self.width * done // max(total, 1)
-        tail = "  failure found, shrinking it" if shrinking else ""
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}{tail}")
-        sys.stderr.flush()
-        self.drawn = True
-
-    def close(self) -> None:
-        if self.drawn:
-            sys.stderr.write("\n")
+def _bar(label: str | None, total: int, unit: str):
+    """tqdm's progress bar on stderr; it stays on screen when done."""
+    from tqdm import tqdm
+    return tqdm(desc=label, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
 
 
 def cmd_fuzz(args) -> int:
@@ -381,12 +392,13 @@ def cmd_fuzz(args) -> int:
     tol = args.tol if args.tol is not None else (1e-4 if device == "cpu" else 5e-3)
     from lrdsl.fuzz import run_fuzz
     m = _load(args.spec, check_stability=True)
-    bar = _ProgressBar()
-    try:
-        result = run_fuzz(m, examples=args.examples, device=device, seed=args.seed, progress=bar,
+    with _bar(None, args.examples, "case") as bar:
+        def progress(done, total, shrinking):
+            if shrinking:
+                bar.set_postfix_str("failure found, shrinking it", refresh=False)
+            bar.update(done - bar.n)
+        result = run_fuzz(m, examples=args.examples, device=device, seed=args.seed, progress=progress,
                           tol=tol, grad=args.grad)
-    finally:
-        bar.close()
     if result.ok:
         print(result.summary())
         return 0
@@ -417,10 +429,7 @@ def _device(asked: str | None) -> str:
 
 def cmd_mqar(args) -> int:
     from lrdsl.errors import LrdslError
-    from lrdsl.mqar import Config
-    cfg = Config(seq_lens=args.seq_lens, pairs=args.pairs, vocab=args.vocab, d_model=args.d_model,
-                 n_layers=args.layers, heads=args.heads, head_dim=args.head_dim, steps=args.steps,
-                 batch=args.batch, lr=args.lr, eval_sequences=args.eval_sequences, seed=args.seed)
+    cfg = mqar_config(args)
     cfg.validate()
     from lrdsl import mqar
     if args.plot and not mqar.plot_available():
@@ -436,12 +445,13 @@ def cmd_mqar(args) -> int:
         mixers[m.name if m.name not in mixers else path] = m
     results = {}
     for i, (name, m) in enumerate(mixers.items()):
-        print(f"[{i + 1}/{len(mixers)}] {name}: {cfg.steps} steps on {device}", file=sys.stderr, flush=True)
-        bar = mqar.Progress(name)
-        try:
-            results[name] = mqar.train(m, cfg, device, bar)
-        finally:
-            bar.close()
+        print(f"[{i + 1}/{len(mixers)}] {name}: {cfg.steps} steps on {device}, then {cfg.eval_batches()} "
+              "evaluation batches", file=sys.stderr, flush=True)
+        with _bar(name, cfg.steps + cfg.eval_batches(), "step") as bar:
+            def progress(done, total, loss, bar=bar):
+                bar.set_postfix_str("evaluating" if loss is None else f"loss {loss:.3f}", refresh=False)
+                bar.update(done - bar.n)
+            results[name] = mqar.train(m, cfg, device, progress)
     print(mqar.table(results, cfg))
     if args.plot:
         mqar.plot(results, cfg, args.plot)

@@ -16,55 +16,13 @@ decay, bf16 autocast on a GPU. Every spec sees the same data and the same initia
 """
 from __future__ import annotations
 
-import math
-import sys
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lrdsl.errors import LrdslError
 from lrdsl.nn import Layer
-
-
-@dataclass(frozen=True)
-class Config:
-    # Sized for a GPU run of a minute or two per spec. On a CPU (one seed, these settings but
-    # batch 32) gated_deltanet's loss sat near log(128 values) for some hundreds of steps, then it
-    # learnt recall: after 2000 steps 0.99 / 0.97 / 0.87 / 0.57 at T = 128 and 4 / 8 / 16 / 32
-    # pairs. Zoology's main vocabulary, 8192, spreads the same steps over 32 times more tokens
-    # (not tried here).
-    seq_lens: tuple = (64, 128)
-    pairs: tuple = (4, 8, 16, 32)
-    vocab: int = 256
-    d_model: int = 128
-    n_layers: int = 2
-    heads: int = 4
-    head_dim: int = 32
-    steps: int = 3000
-    batch: int = 128
-    lr: float = 3e-3
-    eval_sequences: int = 256  # per setting
-    seed: int = 0
-
-    def settings(self) -> list:
-        """Every (T, pairs) that fits: the pairs and their queries need 4 * pairs tokens."""
-        return [(T, p) for T in self.seq_lens for p in self.pairs if 4 * p <= T]
-
-    def validate(self) -> None:
-        for name in ("vocab", "d_model", "n_layers", "heads", "head_dim", "steps", "batch", "eval_sequences"):
-            if getattr(self, name) < 1:
-                raise LrdslError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise LrdslError(f"--lr must be a positive number, got {self.lr}")
-        if not self.settings():
-            raise LrdslError(f"no setting fits: a sequence of T tokens holds at most T / 4 pairs (pairs and "
-                             f"their queries), and the largest T is {max(self.seq_lens)} while the fewest pairs "
-                             f"asked for is {min(self.pairs)}; add longer --seq-lens or fewer --pairs")
-        if self.vocab // 2 - 1 < max(p for _, p in self.settings()):
-            raise LrdslError(f"--vocab {self.vocab} has {self.vocab // 2 - 1} key tokens, fewer than the "
-                             f"{max(p for _, p in self.settings())} distinct keys a sequence needs; raise --vocab")
+from lrdsl.options import Config
 
 
 def batch(n: int, T: int, pairs: int, vocab: int, gen: torch.Generator):
@@ -103,11 +61,12 @@ class Model(nn.Module):
         return self.head(self.norms[-1](x))
 
 
-def _lr_at(step: int, cfg: Config) -> float:
-    warm = max(1, cfg.steps // 10)
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
+def schedule(opt, cfg: Config):
+    """Linear warm-up over the first tenth of the steps to cfg.lr, then cosine decay to 0 by the
+    last step (call .step() after each optimizer step)."""
+    warm, sched = max(1, cfg.steps // 10), torch.optim.lr_scheduler
+    return sched.SequentialLR(opt, [sched.LinearLR(opt, 1 / warm, 1.0, max(1, warm - 1)),
+                                    sched.CosineAnnealingLR(opt, max(1, cfg.steps - warm))], [warm])
 
 
 def _loss(model, tokens, targets, device):
@@ -117,68 +76,44 @@ def _loss(model, tokens, targets, device):
 
 
 def train(mixer, cfg: Config, device, progress=None) -> tuple:
-    """Train one model on the spec's mixer; (losses per step, {(T, pairs): accuracy})."""
+    """Train one model on the spec's mixer; (losses per step, {(T, pairs): accuracy}).
+    progress(done, total, loss) is called after each training step and then after each evaluation
+    batch (loss None), total being cfg.steps + cfg.eval_batches()."""
     device = torch.device(device)
     torch.manual_seed(cfg.seed)
     model = Model(mixer, cfg).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    lr = schedule(opt, cfg)
     settings, gen, losses = cfg.settings(), torch.Generator().manual_seed(cfg.seed), []
+    total = cfg.steps + cfg.eval_batches()
     for step in range(cfg.steps):
         T, pairs = settings[step % len(settings)]
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, cfg)
         loss, _ = _loss(model, *batch(cfg.batch, T, pairs, cfg.vocab, gen), device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        lr.step()
         losses.append(loss.item())
         if progress is not None:
-            progress(step + 1, cfg.steps, losses[-1])
-    accuracy, held_out = {}, torch.Generator().manual_seed(cfg.seed + 1)
+            progress(step + 1, total, losses[-1])
+    accuracy, held_out, done = {}, torch.Generator().manual_seed(cfg.seed + 1), cfg.steps
     model.eval()
     with torch.no_grad():
         for T, pairs in settings:
-            right = total = 0
+            right = count = 0
             for start in range(0, cfg.eval_sequences, cfg.batch):
                 n = min(cfg.batch, cfg.eval_sequences - start)
                 tokens, targets = batch(n, T, pairs, cfg.vocab, held_out)
                 _, logits = _loss(model, tokens, targets, device)
                 mask = targets.to(device) != -100
                 right += (logits.argmax(-1)[mask] == targets.to(device)[mask]).sum().item()
-                total += mask.sum().item()
-            accuracy[(T, pairs)] = right / total
+                count += mask.sum().item()
+                done += 1
+                if progress is not None:
+                    progress(done, total, None)
+            accuracy[(T, pairs)] = right / count
     return losses, accuracy
-
-
-class Progress:
-    """A text progress bar on stderr (tqdm's when it is installed), one per spec."""
-
-    def __init__(self, label: str):
-        self.label, self.bar = label, None
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(desc=label, unit="step", file=sys.stderr, leave=True)
-        except ImportError:
-            pass
-
-    def __call__(self, done: int, total: int, loss: float) -> None:
-        if self.bar is not None:
-            self.bar.total = total
-            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            self.bar.update(done - self.bar.n)
-            return
-        if done % max(1, total // 100) and done != total:
-            return  # a hundred redraws at most
-        filled = 30 * done // total
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} loss {loss:.3f}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        else:
-            sys.stderr.write("\n")
 
 
 def table(results: dict, cfg: Config) -> str:
@@ -197,13 +132,19 @@ def plot_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def plot(results: dict, cfg: Config, path: str) -> None:
-    """Accuracy against the number of pairs, one line per spec, one panel per sequence length."""
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+def figure(results: dict, cfg: Config):
+    """Accuracy against the number of pairs, one line per spec, one panel per sequence length, under
+    a two-line title that fits a single panel's width."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     lens = sorted({T for T, _ in cfg.settings()})
-    fig, axes = plt.subplots(1, len(lens), figsize=(4 * len(lens), 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(lens), figsize=(max(4.5, 4 * len(lens)), 3.8), squeeze=False, sharey=True,
+                             layout="constrained")
     for ax, T in zip(axes[0], lens):
         for name, (_, acc) in results.items():
             xs = sorted(p for t, p in acc if t == T)
@@ -218,9 +159,15 @@ def plot(results: dict, cfg: Config, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("recall accuracy")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"MQAR after {cfg.steps} steps (d_model {cfg.d_model}, {cfg.n_layers} "
-                 f"layer{'s' if cfg.n_layers > 1 else ''}, {cfg.heads} heads of {cfg.head_dim})")
-    fig.tight_layout()
+    fig.suptitle(f"MQAR after {_count(cfg.steps, 'step')}\nd_model {cfg.d_model}, {_count(cfg.n_layers, 'layer')}, "
+                 f"{_count(cfg.heads, 'head')} of {cfg.head_dim}")
+    return fig
+
+
+def plot(results: dict, cfg: Config, path: str) -> None:
+    """figure(results, cfg) saved to path (the format from its suffix)."""
+    import matplotlib.pyplot as plt
+    fig = figure(results, cfg)
     try:
         fig.savefig(path, dpi=120)
     except OSError as e:

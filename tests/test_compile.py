@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -302,7 +303,43 @@ def test_load_twice_reuses_the_cached_file(tmp_path, monkeypatch):
     after = path.stat()
     assert third is not first and Path(third.__file__) == path
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    assert sorted(p.name for p in path.parent.iterdir() if p.name != "__pycache__") == [path.name]
+    assert sorted(p.name for p in path.parent.iterdir() if p.name not in ("__pycache__", ".locks")) == [path.name]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=oct)
+def test_compiled_module_has_the_umasks_mode(tmp_path, umask):
+    """`lrdsl compile -o` writes the module as open() would (0666 less the umask): readable by the
+    others a shared build folder is meant for, not 0600 as a bare mkstemp leaves it."""
+    old = os.umask(umask)
+    try:
+        assert cli.main(["compile", str(ROOT / "examples" / "gla.lr"), "-o", str(tmp_path)]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "gla.py").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_cache_folder_is_the_platforms_unless_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("LRDSL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert runtime.cache_dir() == tmp_path / "xdg" / "lrdsl"
+    monkeypatch.setenv("LRDSL_CACHE_DIR", str(tmp_path / "mine"))
+    assert runtime.cache_dir() == tmp_path / "mine"
+
+
+def test_a_writer_waits_for_the_lock_and_finds_the_module_written(tmp_path):
+    """A second writer of a module that is being written waits, then finds it whole and leaves it."""
+    from filelock import FileLock
+    source, path, found = "X = 1\n", tmp_path / "m.py", []
+    (tmp_path / ".locks").mkdir()
+    with FileLock(tmp_path / ".locks" / "m.py.lock"):
+        writer = threading.Thread(target=lambda: found.append(runtime._cached(tmp_path, "m.py", source)))
+        writer.start()
+        writer.join(0.5)
+        assert writer.is_alive() and not path.exists()  # waiting for the lock
+        runtime.write_atomic(path, source)
+        written = path.stat().st_ino
+    writer.join(30)
+    assert found == [path] and path.stat().st_ino == written and path.read_text() == source
 
 
 WRITER = textwrap.dedent('''
@@ -348,7 +385,7 @@ def test_concurrent_writers_leave_a_whole_module(tmp_path, writers):
     paths = {stdout.strip() for stdout, _ in outs}
     assert len(paths) == 1
     path = Path(paths.pop())
-    files = sorted(p for p in cache.iterdir() if p.name != "__pycache__")
+    files = sorted(p for p in cache.iterdir() if p.name not in ("__pycache__", ".locks"))
     assert files == [path], f"left over: {files}"  # no temporary files
     text = path.read_text()
     compile(text, str(path), "exec")

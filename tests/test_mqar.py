@@ -2,6 +2,7 @@
 and the command prints a table and writes a plot (a tiny setting; no wall-clock assertion)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from test_recurrent import general_kernels
 
 from lrdsl import cli, mqar
+from lrdsl.bench import Shape, parse_shape
+from lrdsl.options import comma_ints
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--seq-lens", "16", "--pairs", "2,4", "--vocab", "32", "--d-model", "32", "--heads", "1",
@@ -30,10 +33,68 @@ def test_sequences_hold_pairs_then_each_key_queried_once():
 
 
 def test_cli_defaults_are_the_configs():
-    d = cli.MQAR_DEFAULTS
-    c = mqar.Config()
-    assert cli._ints(d["seq_lens"]) == c.seq_lens and cli._ints(d["pairs"]) == c.pairs
-    assert all(getattr(c, k) == v for k, v in d.items() if k not in ("seq_lens", "pairs"))
+    """Every Config field is a flag of `lrdsl mqar` whose default is the field's."""
+    args = cli._parser().parse_args(["mqar", "x.lr"])
+    assert cli.mqar_config(args) == mqar.Config()
+
+
+def test_cli_flags_reach_the_config():
+    args = cli._parser().parse_args(["mqar", "x.lr", "--layers", "3", "--eval-sequences", "7", "--pairs", "8, 2,8",
+                                     "--lr", "0.5"])
+    cfg = cli.mqar_config(args)
+    assert (cfg.n_layers, cfg.eval_sequences, cfg.pairs, cfg.lr) == (3, 7, (2, 8), 0.5)
+
+
+def test_cpu_recipe_in_help_is_a_valid_setting(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["mqar", "--help"])
+    recipe = " ".join(cli.MQAR_CPU_RECIPE).split()
+    assert " ".join(recipe) in " ".join(capsys.readouterr().out.replace("\\\n", " ").split())
+    cli.mqar_config(cli._parser().parse_args(["mqar", "x.lr", *recipe])).validate()
+
+
+def test_comma_lists():
+    assert comma_ints(" 4, 8,16") == (4, 8, 16)
+    assert cli._ints("8,2,8") == (2, 8)
+    for bad in ("", "4,,8", "4,-8", "0", "4.5", "\u00b2", "4;8"):
+        with pytest.raises(ValueError, match="positive integers"):
+            comma_ints(bad)
+    with pytest.raises(ValueError, match="B,T,H,K,V"):
+        parse_shape("1,2,3,4")
+    assert parse_shape("1,2,3,4,5") == Shape(1, 2, 3, 4, 5)
+
+
+@pytest.mark.parametrize("steps", [1, 7, 10, 31, 3000])
+def test_schedule_warms_up_linearly_then_decays_by_a_cosine(steps):
+    """torch's schedulers give the schedule the docstring states: lr (s + 1) / w for the first w =
+    max(1, steps // 10) steps, then lr (1 + cos(pi (s - w) / (steps - w))) / 2."""
+    lr = 3e-3
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = mqar.schedule(opt, mqar.Config(steps=steps, lr=lr))
+    got = []
+    for _ in range(steps):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    w = max(1, steps // 10)
+    want = [lr * (s + 1) / w if s < w else lr * (1 + math.cos(math.pi * (s - w) / max(1, steps - w))) / 2
+            for s in range(steps)]
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-12 * lr
+
+
+@pytest.mark.parametrize("lens,layers,heads", [((16,), 1, 1), ((64, 128), 2, 4)])
+def test_plot_title_fits_the_figure(lens, layers, heads):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    cfg = mqar.Config(seq_lens=lens, pairs=(2, 4), n_layers=layers, heads=heads, steps=3000)
+    results = {"gated_deltanet": ([1.0], {(T, p): 0.5 for T, p in cfg.settings()})}
+    fig = mqar.figure(results, cfg)
+    try:
+        fig.canvas.draw()  # lays the figure out
+        drawn = fig.get_tightbbox(fig.canvas.get_renderer())  # in inches: every drawn artist, titles included
+        assert 0 <= drawn.x0 and drawn.x1 <= fig.get_figwidth() and 0 <= drawn.y0 and drawn.y1 <= fig.get_figheight()
+    finally:
+        plt.close(fig)
 
 
 @pytest.mark.slow  # a CPU training run
@@ -49,7 +110,7 @@ def test_tiny_model_learns(compiled, monkeypatch):
     losses, acc = mqar.train(mixer, cfg, "cpu", lambda done, total, loss: seen.append(done))
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.92 * first, f"loss {first:.3f} -> {last:.3f}: {losses}"
-    assert seen == list(range(1, 21)) and set(acc) == {(16, 2), (16, 4)}
+    assert seen == list(range(1, 21 + cfg.eval_batches())) and set(acc) == {(16, 2), (16, 4)}
     assert all(0 <= a <= 1 for a in acc.values())
 
 
@@ -62,7 +123,7 @@ def test_cli_prints_accuracy_and_plots(tmp_path, capsys):
     rows = [line.split() for line in out.out.splitlines()]
     for name in ("gla", "mamba2"):
         assert [name, "16", "2"] in [r[:3] for r in rows] and [name, "16", "4"] in [r[:3] for r in rows]
-    assert "2/2" in out.err  # the progress bar
+    assert "2 steps on cpu, then 2 evaluation batches" in out.err and "4/4" in out.err  # the progress bar
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

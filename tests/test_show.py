@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import lrdsl
+import lrdsl.cli
 from lrdsl.frontend import printer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,6 +124,25 @@ def test_explicit_form_round_trips(name):
     assert m2 == m and hash(m2) == hash(m)
     assert printer.explicit(m2) == text  # a fixed point
     assert printer.canonical(m2) == printer.canonical(m)
+
+
+# the lowering writes sigmoid and clamp out (1/(1 + exp(-x)), min(max(x, lo), hi)); show names them again
+@pytest.mark.parametrize("written,shown", [
+    ("sigmoid(b + c)", "sigmoid(b + c)"), ("sigmoid(-c)", "sigmoid(-c)"), ("log(sigmoid(a))", "log(sigmoid(a))"),
+    ("sigmoid(sigmoid(a) - 1)", "sigmoid(sigmoid(a) - 1)"), ("1/(1 + exp(a))", "sigmoid(-a)"),
+    ("clamp(a, -1, 1)", "clamp(a, -1, 1)"), ("clamp(sigmoid(a), 0.25, 0.5)", "clamp(sigmoid(a), 1/4, 1/2)"),
+    ("2*sigmoid(b)*softplus(c)", "2*sigmoid(b)*softplus(c)"), ("min(a, 1)", "min(1, a)")])
+def test_show_names_sigmoid_and_clamp(written, shown, capsys, tmp_path):
+    text = spec("mixer m", "input a, b, c", f"let beta = {written}", "decay none", "gain scalar beta",
+                "normalize q, k")
+    m = ir_of(text)
+    printed = printer.explicit(m)
+    assert f"let beta = {shown}\n" in printed
+    assert ir_of(printed) == m  # re-parses to the same IR
+    path = tmp_path / "m.lr"
+    path.write_text(text)
+    assert lrdsl.cli.main(["show", str(path)]) == 0
+    assert f"let beta = {shown}\n" in capsys.readouterr().out
 
 
 def test_examples_are_pairwise_different():

@@ -41,7 +41,8 @@ API_ONLY = {"axis_twice", "unclosed_parenthesis", "normalize_other", "reversed_r
             "shape_mismatch_write", "readout_of_v", "value_decay_scalar", "update_forgets_S",
             "update_without_write", "update_twice", "q_not_a_vector", "latin1_comment", "reserved_h",
             "inject_apostrophe", "inject_semicolon", "inject_keyword_mixer", "inject_dunder_mixer",
-            "inject_dunder_use", "inject_backslash", "imaginary_constant", "huge_number"}
+            "inject_dunder_use", "inject_backslash", "imaginary_constant", "huge_number",
+            "misspelt_function_spaced", "unknown_name_applied", "unstable_not_through_the_let"}
 
 
 def case(name, text, where, *words):
@@ -66,6 +67,12 @@ L = [*HEAD, "S = S + kk v^T", "o = S^T q"]
 case("unknown_name", spec(*L), at(L, 3, "kk"), "unknown name 'kk'", "did you mean 'k'")
 L = [*HEAD, "let m = exp(zz)", "S = S + k v^T", "o = S^T q"]
 case("let_undefined_name", spec(*L), at(L, 3, "zz"), "unknown name 'zz'", "input zz")
+L = [*HEAD, "input b", "let beta = sigmod(b)", "S = (I - beta k k^T) S + beta k v^T", "o = S^T q"]
+case("misspelt_function", spec(*L), at(L, 4, "sigmod"), "unknown function 'sigmod'", "did you mean sigmoid(...)")
+L = [*HEAD, "input a", "let g = -softplu (a)", "S = exp(g) S + k v^T", "o = S^T q"]
+case("misspelt_function_spaced", spec(*L), at(L, 4, "softplu"), "unknown function 'softplu'", "softplus(...)")
+L = [*HEAD, "input b", "let beta = zz(b)", "S = S + beta k v^T", "o = S^T q"]
+case("unknown_name_applied", spec(*L), at(L, 4, "zz"), "unknown name 'zz'", "input zz")
 L = ["mixer m", "input q[K], k[K], v[V], q[K]", "S = S + k v^T", "o = S^T q"]
 case("duplicate_input", spec(*L), at(L, 2, "q[K]", 2), "'q'", "already defined", "line 2")
 for nm, word in (("S", "S"), ("lambda", "lambda"), ("__class__", "__class__"), ("exp", "exp"), ("h", "h")):
@@ -148,6 +155,14 @@ case("unstable_axis", spec(*L), (3, 1), "eigenvalues", "outside [-1, 1]", "allow
 L = ["mixer m", "input q[K] l2norm, k[K] l2norm, v[V], beta in (0, 3)", "S = (I - beta k k^T) S + beta k v^T",
      "o = S^T q"]
 case("unstable_explicit", spec(*L), (3, 1), "eigenvalues", "beta", "allow unstable")
+# found through a let: the error points at the let the blamed part reads, not the mixer or update line
+L = ["mixer m", "input a", "let g = softplus(a)", "decay diagonal g"]
+case("unstable_decay_let", spec(*L), (3, 1), "eigenvalues", "decay exp(softplus(a))", "range of a")
+L = ["mixer m", "input a in (0, 1), b in (0, 1)", "let z = -a", "let beta = 3 * b", "decay scalar z",
+     "gain scalar beta", "normalize q, k"]  # the erase is too strong, not the decay (read through z)
+case("unstable_erase_let", spec(*L), (4, 1), "eigenvalues", "3*b ranges over [0, 3]", "range of b")
+L = ["mixer m", "input a in (0, 1), c", "let u = sigmoid(c)", "decay diagonal a"]  # u is read by no transition
+case("unstable_not_through_the_let", spec(*L), MIXER_NAME, "eigenvalues", "decay exp(a)", "range of a")
 
 # -- names that try to reach generated code
 L = ["mixer m", 'input q[K], k[K], v[V], "x"']

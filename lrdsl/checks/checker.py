@@ -379,11 +379,11 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
         return (f"the eigenvalues of the transition could not be proved real and inside [-1, 1]: the decay "
                 f"or the erase gains change sign across channels ({seen}); keep the decay and the erase gains "
                 f"of one sign{tail}")
-    F, sym = an["factor"], an["sym_eig"]
-    if not _inside(an["D"]):
+    sym, part = an["sym_eig"], _culprit(mixer, an)
+    if part == "decay":
         what = [an["d"]]
         found = f"the decay {printer.expr(an['d'])} ranges over {_iv(an['D'])}, which must lie within [-1, 1]"
-    elif sym is not None and (F is None or F[0] < sym[0] - TOL):  # the symmetric form's bound is the tighter
+    elif part == "symmetric":
         what, xy = [an["d"], an["xy"]], Ranges(mixer).of(an["xy"])
         found = (f"M = D - x y^T is symmetric with least eigenvalue min D - x^T y down to {sym[0]:.4g}, where "
                  f"D = {printer.expr(an['d'])} ranges over {_iv(an['D'])} and x^T y over {_iv(xy)} "
@@ -401,6 +401,39 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
     return (f"the eigenvalues of the transition could not be proved inside [-1, 1]: {found} as far as the "
             f"checker can tell (an enclosure, possibly wider than the truth), and {seen}; write it so that its "
             f"range is provable (e.g. through one input) or declare narrower input ranges{tail}")
+
+
+def _culprit(mixer: ir.Mixer, an: dict) -> str:
+    """Which part of the transition stability_error blames: "erase" (its gains, or no bound on
+    c^T a), "transition" (decay and erase together), "decay", or "symmetric" (D - x y^T)."""
+    if mixer.delta is not None and an["factor"] is None:
+        return "erase"
+    if not an["proved"]:
+        return "transition"
+    F, sym = an["factor"], an["sym_eig"]
+    if not _inside(an["D"]):
+        return "decay"
+    if sym is not None and (F is None or F[0] < sym[0] - TOL):  # the symmetric form's bound is the tighter
+        return "symmetric"
+    return "erase"
+
+
+def error_span(mixer: ir.Mixer, result: dict):
+    """Where stability_error's sentence points: at the first let that the blamed part of the
+    transition reads, when it reads one (the range comes from there), else mixer.error_span (the
+    update, or the readout for the solve's errors)."""
+    span = mixer.error_span(result)
+    if (result.get("solve_well_posed") is False or cg_error(mixer, result) or mixer.allow_unstable
+            or result["facts"]["stable"] == PROVED or not mixer.lets):
+        return span
+    part = _culprit(mixer, analyse(mixer))
+    erase = (mixer.delta.a, mixer.delta.c) if mixer.delta is not None else ()
+    read = set().union(*(sp.sympify(e).free_symbols for e in
+                         ((mixer.decay.value,) if part != "erase" else ()) + (erase if part != "decay" else ())))
+    lets = [lt for lt in mixer.lets if ir.symbol(lt.name) in read and lt.span is not None]
+    inputs = {i.symbol for i in (*mixer.inputs, *mixer.params)}
+    ranged = [lt for lt in lets if mixer.inline_lets(lt.expr).free_symbols & inputs]  # a constant is no culprit
+    return (ranged or lets)[0].span if lets else span
 
 
 def cg_error(mixer: ir.Mixer, result: dict) -> str | None:

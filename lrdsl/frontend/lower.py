@@ -94,7 +94,10 @@ class Lowerer:
         self.symbols = {"h": ir.HEAD}
         self.defined_at = {}
 
-    def name_error(self, name: str, span) -> SpecError:
+    def name_error(self, name: str, span, called: bool = False) -> SpecError:
+        functions = difflib.get_close_matches(name, (*primitives.NAMES, "diag"), n=1) if called else []
+        if functions:  # `sigmod(b)` parses as the product of a name and (b)
+            return SpecError(f"unknown function '{name}'; did you mean {functions[0]}(...)?", span)
         known = sorted(n for n in self.kinds if n != "h")
         close = difflib.get_close_matches(name, known, n=1)
         valid = not (name in RESERVED or keyword.iskeyword(name) or name.startswith("_")) and NAME_RE.match(name)
@@ -122,7 +125,7 @@ class Lowerer:
         if n.name == "G":
             return Gram(sp.Integer(0))
         if n.name not in self.kinds:
-            raise self.name_error(n.name, n.span)
+            raise self.name_error(n.name, n.span, n.called)
         return Val(self.kinds[n.name], self.symbols[n.name])
 
     def e_Neg(self, n: Neg):

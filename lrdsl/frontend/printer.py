@@ -50,8 +50,40 @@ for _prim in primitives.TABLE:  # exp(...), abs(...), softplus(...), max(...), s
         setattr(_DslPrinter, f"_print_{_prim.cls.__name__}", _printer_of(_prim))
 
 
+_SIGMOID, _CLAMP = sp.Function("sigmoid"), sp.Function("clamp")
+
+
+def _is_sigmoid(e) -> bool:  # 1/(1 + exp(u)), which the lowering builds for sigmoid(-u)
+    return (e.is_Pow and e.exp == -1 and e.base.is_Add and len(e.base.args) == 2 and sp.S.One in e.base.args
+            and all(t == 1 or isinstance(t, sp.exp) for t in e.base.args))
+
+
+def _is_clamp(e) -> bool:  # min(max(x, lo), hi) with numbers lo < hi, which clamp(x, lo, hi) builds
+    if not (isinstance(e, sp.Min) and len(e.args) == 2):
+        return False
+    hi, inner = sorted(e.args, key=lambda a: not a.is_number)
+    if not (hi.is_number and isinstance(inner, sp.Max) and len(inner.args) == 2):
+        return False
+    lo, x = sorted(inner.args, key=lambda a: not a.is_number)
+    return bool(lo.is_number and not x.is_number and lo < hi)
+
+
+def _clamp(e):
+    hi, inner = sorted(e.args, key=lambda a: not a.is_number)
+    lo, x = sorted(inner.args, key=lambda a: not a.is_number)
+    return _CLAMP(x, lo, hi)
+
+
+def named(e: sp.Expr) -> sp.Expr:
+    """e with the functions that the lowering writes out put back under their spec names: sigmoid
+    (1/(1 + exp(-x))) and clamp (min(max(x, lo), hi)); they re-parse to the same IR."""
+    e = sp.sympify(e)
+    e = e.replace(_is_sigmoid, lambda p: _SIGMOID(-next(t for t in p.base.args if t != 1).args[0]))
+    return e.replace(_is_clamp, _clamp)
+
+
 def expr(e: sp.Expr) -> str:
-    return _DslPrinter().doprint(e)
+    return _DslPrinter().doprint(named(e))
 
 
 def _vec(e: sp.Expr) -> str:

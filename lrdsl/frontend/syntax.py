@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from importlib import resources
 
@@ -30,6 +30,7 @@ class Num:
 class Var:
     name: str
     span: Span
+    called: bool = field(default=False, compare=False)  # `name(...)`: a misspelt function, if unknown
 
 
 @dataclass(frozen=True)
@@ -199,12 +200,16 @@ def _number(tok: Token) -> Fraction:
 
 @v_args(meta=True)
 class _ToAst(Transformer):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
     # expressions
     def number(self, meta, c):
         return Num(_number(c[0]), _span(c[0]))
 
     def var(self, meta, c):
-        return Var(str(c[0]), _span(c[0]))
+        return Var(str(c[0]), _span(c[0]), self.text[c[0].end_pos:].lstrip(" \t")[:1] == "(")
 
     def call(self, meta, c):
         args, kwargs = c[1]
@@ -426,7 +431,7 @@ def parse(text, filename: str = "<spec>") -> Spec:
             raise _syntax_error(e, text) from None
         _check_depth(tree)
         try:
-            return _ToAst().transform(tree)
+            return _ToAst(text).transform(tree)
         except VisitError as e:
             if isinstance(e.orig_exc, SpecError):
                 raise e.orig_exc from None

@@ -1,8 +1,10 @@
 """Rendered source -> loaded module, cached on disk.
 
 The cache key is the canonical spec text (printed from the IR), the plan, the lrdsl version and the
-triton version. Files are written to a temporary name and renamed, so a parallel process sees a
-whole module or none.
+triton version. The folder is platformdirs' user cache folder for lrdsl (~/.cache/lrdsl on Linux,
+after XDG_CACHE_HOME) unless LRDSL_CACHE_DIR names another. Files are written to a temporary name
+and renamed, so a reader sees a whole module or none; writers of one module take turns under a file
+lock (filelock, in the folder's .locks/), so the first writes it and the others find it whole.
 """
 from __future__ import annotations
 
@@ -11,8 +13,12 @@ import importlib.util
 import os
 import sys
 import tempfile
+import uuid
 import warnings
 from pathlib import Path
+
+import platformdirs
+from filelock import FileLock, Timeout
 
 from lrdsl._version import __version__
 from lrdsl.codegen.generate import generate
@@ -21,9 +27,7 @@ from lrdsl.runtime import tuning
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("LRDSL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lrdsl")
-    return Path(root)
+    return Path(os.environ.get("LRDSL_CACHE_DIR") or platformdirs.user_cache_path("lrdsl"))
 
 
 def module_key(m: ir.Mixer, source: str) -> str:
@@ -37,8 +41,12 @@ def module_key(m: ir.Mixer, source: str) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """path holds text, whole: written to a fresh name beside it, then renamed over it. The file gets
+    the mode a plain open() would (0666 less the umask), so a shared build or cache folder stays
+    readable to the others that the umask lets read it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -49,6 +57,7 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+LOCK_WAIT_S = 60  # writing a module takes milliseconds; a longer wait means a lock left behind
 _FALLBACK: list = []  # a private cache folder for this process, made on the first cache fault
 
 
@@ -56,13 +65,24 @@ def _cached(folder: Path, name: str, source: str) -> Path:
     """The module file in folder, (re)written unless it already holds exactly source. A file that
     is not the source (stale, truncated, not UTF-8) is rewritten; faults raise OSError."""
     path = folder / name
+    if _holds(path, source):  # the common case: no lock, no write
+        return path
+    locks = folder / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
     try:
-        current = path.read_bytes() if path.is_file() else None
-    except OSError:
-        current = None
-    if current != source.encode():
+        with FileLock(locks / f"{name}.lock", timeout=LOCK_WAIT_S):
+            if not _holds(path, source):  # another process may have written it while this one waited
+                write_atomic(path, source)
+    except Timeout:  # a soft lock left by a crash where flock is missing: the rename keeps the write whole
         write_atomic(path, source)
     return path
+
+
+def _holds(path: Path, source: str) -> bool:
+    try:
+        return path.is_file() and path.read_bytes() == source.encode()
+    except OSError:
+        return False
 
 
 def _module_file(name: str, source: str) -> Path:
