@@ -595,12 +595,12 @@ o = S^T qa
 
 
 def test_chain_at_dr_only_where_q_alone_reads_r():
-    """plan.chain_at_dr: the four examples whose staged_dk ends in the chain rule make q's gradient
+    """plan.chain_at_dr: the five examples whose staged_dk ends in the chain rule make q's gradient
     where r's is made; a query gated by another input keeps r's gradient in memory."""
     from lrdsl.codegen.plan import plan
     at = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir).chain_at_dr for p in EXAMPLES}
     assert {s: l.name for s, l in at.items() if l} == {s: "q" for s in (
-        "deltanet", "gated_deltanet", "gated_deltanet_gates", "gated_deltanet_negeig")}, at
+        "deltanet", "gated_deltanet", "gated_deltanet_gates", "gated_deltanet_negeig", "comba")}, at
     gated = plan(lrdsl.compile(text=GATED_QUERY, load_kernels=False).ir)
     assert gated.chain_in_dk and gated.chain_at_dr is None
 
@@ -643,9 +643,9 @@ def test_stage_three_takes_three_launches_with_an_erase(split, monkeypatch):
     plans = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir) for p in EXAMPLES}
     assert {s for s, p in plans.items() if p.split_dk} == {"gated_deltanet", "gated_deltanet_gates",
                                                           "gated_deltanet_negeig", "precond_deltanet",
-                                                          "channel_gates_scalar_decay"}, plans
+                                                          "channel_gates_scalar_decay", "comba"}, plans
     assert {s for s, p in plans.items() if p.split_dr} == {"gated_deltanet", "gated_deltanet_gates",
-                                                          "gated_deltanet_negeig"}
+                                                          "gated_deltanet_negeig", "comba"}
     if not split:
         def one_launch(m):
             p = plan(m)

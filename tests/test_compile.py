@@ -23,7 +23,9 @@ from lrdsl.runtime import loader as runtime
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = kernel_examples()  # every example but the offline solve (reference only)
+# every example but the offline solve (reference only) and those whose readout reads before the update
+# (rwkv6: S_prev^T and dot products run in lrdsl.Mixer; `lrdsl compile` refuses them, test_readouts.py)
+EXAMPLES = tuple(p for p in kernel_examples() if not lrdsl.compile(p, load_kernels=False).ir.reads_before)
 IDS = [p.stem for p in EXAMPLES]
 
 

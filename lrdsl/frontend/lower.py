@@ -4,7 +4,8 @@ Expressions are typed as they are lowered: an elementwise value (one number per 
 channel or per value channel), a row vector, a K x K matrix (a sum of diag(d) and u c^T terms),
 a [K, V] state expression (M S terms plus rank-1 writes), S^T, or the readout S^T x. Products
 are expanded term by term, so whatever order the user wrote the transition in, it normalises to
-(I - a c^T) D or D (I - a c^T) plus one write, or is refused with the form that was found.
+(I - a c^T) D, D (I - a c^T) or D - a c^T plus one write (transition.py), or is refused with the
+form that was found.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from lrdsl.frontend.syntax import (
     Update,
     Var,
 )
+from lrdsl.frontend.transition import transition
 from lrdsl.frontend.values import Dot, Gram, GramInv, Mat, Out, Row, St, StPrev, StT, Val
 from lrdsl.frontend.values import describe as _desc
 
@@ -433,7 +435,7 @@ def lower(spec: Spec) -> ir.Mixer:
         raise SpecError("the spec has no update of the state; add a line like `S = S + k v^T`", spec.span)
     if readout is None:
         raise SpecError("the spec has no readout; add the line `o = S^T q`", spec.span)
-    decay, delta, write = _transition(lw, update)
+    decay, delta, write = transition(lw, update)
     out = lw.expr(readout.expr)
     if not isinstance(out, Out):
         raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
@@ -525,109 +527,3 @@ def _aux(lw: Lowerer, st: StateDecl, kind: str, lets) -> ir.Aux:
         raise SpecError(f"state {st.name} must be first order: {st.name} = a * {st.name} + b with a and b "
                         f"free of {st.name}", st.span)
     return ir.Aux(st.name, kind, sp.factor_terms(decay), write, st.span)
-
-
-def _transition(lw: Lowerer, update: Update):
-    val = lw.expr(update.expr)
-    if not isinstance(val, St):
-        raise SpecError(f"the update must be a [K, V] expression in S, like M S + k v^T; this is "
-                        f"{_desc(val)}", update.span)
-    span = update.span
-    if not val.carried:
-        raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
-    diag = sp.Integer(0)
-    outers = []
-    for t in val.carried:
-        if t[0] == "diag":
-            diag += t[1]
-        else:
-            outers.append((t[1], t[2]))
-    outers = _combine(outers, lw, span, "transition")
-    d = simplified(diag) if diag.has(sp.Abs) else sp.factor_terms(diag)
-    if d == 0:
-        raise SpecError("the transition has no diagonal part (no I, diag(...) or scalar times S); the "
-                        "accepted forms are (I - a c^T) D S and D (I - a c^T) S", span)
-    for sym in d.free_symbols:
-        if lw.kinds.get(str(sym)) == "V":
-            raise SpecError("the decay multiplies S from the left, so it varies over key channels (K), "
-                            f"not value channels; '{sym}' is a [V] value", span)
-    kinds = {str(s): lw.kinds.get(str(s)) for s in d.free_symbols}
-    if d == 1:
-        decay = ir.Decay("identity", d)
-    elif not d.free_symbols - {ir.HEAD}:
-        decay = ir.Decay("constant", d)
-    elif "K" in kinds.values():
-        decay = ir.Decay("diagonal", d)
-    else:
-        decay = ir.Decay("scalar", d)
-    delta = None
-    if outers:
-        (u, e), = outers
-        vec = [lw.symbols[n] for n, k in lw.kinds.items() if k in ("K", "V")]
-
-        def per_head_in_a(dl):
-            # per-head numbers commute: (I - k (beta k)^T) is (I - (beta k) k^T); keep them in a.
-            # Done before the two orders are compared: a constant in front of the transition
-            # divides c in the left order, and must not make the right one, with its D^-1, win
-            coeff, rest = sp.Mul(dl.c).as_independent(*vec, as_Add=False)
-            return ir.Delta(sp.factor_terms(dl.a * coeff), rest, dl.order) if coeff != 1 else dl
-
-        left = per_head_in_a(ir.Delta(-u, sp.factor_terms(e / d), "left"))
-        right = per_head_in_a(ir.Delta(sp.factor_terms(-u / d), e, "right"))
-        # an order whose a or c divides by a data-dependent decay (exp(-g)) would compute D^-1,
-        # which overflows where the decay underflows (g = -120: nan in every path) although M is
-        # finite; where both orders would, M is kept as written, D - a c^T (order "sum", the
-        # additive DPLR form of RWKV-7), which the kernels compute with in-chunk decays only
-        inverse = lambda dl: any(_divides_by_decay(x, d, lw.kinds) for x in (dl.a, dl.c))
-        score = lambda dl: (inverse(dl), sp.count_ops(dl.a) + sp.count_ops(dl.c))
-        delta = left if score(left) <= score(right) else right
-        if decay.kind != "diagonal":  # a scalar D commutes: one canonical order
-            delta = ir.Delta(delta.a, delta.c, "left")
-        if inverse(delta):
-            delta = per_head_in_a(ir.Delta(-u, e, "sum"))
-    writes = _combine(list(val.writes), lw, span, "write")
-    if not writes:
-        raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
-    (key, value), = writes
-    vsyms = [lw.symbols[n] for n, k in lw.kinds.items() if k == "V"]
-    coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
-    return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart)
-
-
-def _divides_by_decay(x, d, kinds: dict) -> bool:
-    """x divides by the data-dependent part of the decay d: a symbol of d's is in its denominator
-    (exp(-g) counts as 1/exp(g)), or x d is free of d's symbols where x is not (x holds 1/d, as
-    exp(exp(A) softplus(dt)) does for d = exp(-exp(A) softplus(dt)))."""
-    data = {s for s in d.free_symbols if kinds.get(str(s)) in ("K", "scalar") and s != ir.HEAD}
-    if not x.free_symbols & data:
-        return False
-    if sp.fraction(sp.together(x))[1].free_symbols & data:
-        return True
-    return not simplified(x * d).free_symbols & data
-
-
-def _combine(pairs, lw, span, what):
-    """Merge rank-1 terms u c^T that share a factor (up to a per-head number); refuse a rank-2 rest."""
-    out = []
-    for u, c in pairs:
-        for i, (u2, c2) in enumerate(out):
-            r = simplified(c / c2)
-            if _per_head(r, lw):
-                out[i] = (sp.factor_terms(u2 + u * r), c2)
-                break
-            r = simplified(u / u2)
-            if _per_head(r, lw):
-                out[i] = (u2, sp.factor_terms(c2 + c * r))
-                break
-        else:
-            out.append((u, c))
-    out = [(u, c) for u, c in out if simplified(u) != 0 and simplified(c) != 0]
-    if len(out) > 1:
-        form = " + ".join(f"({u}) ({c})^T" for u, c in out)
-        raise SpecError(f"the {what} has {len(out)} independent rank-1 terms ({form}); lrdsl compiles one "
-                        f"rank-1 erase (I - a c^T) D and one rank-1 write u z^T", span)
-    return out
-
-
-def _per_head(r, lw) -> bool:
-    return all(lw.kinds.get(str(s)) in ("scalar", None) for s in r.free_symbols)
