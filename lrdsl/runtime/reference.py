@@ -143,7 +143,9 @@ def scan(m: ir.Mixer, b: Batch):
                 gram = d * gram + torch.as_tensor(key).unsqueeze(-1) * env["k"].unsqueeze(-2)
                 lam = torch.as_tensor(f_lam(env), dtype=dtype, device=dev).expand(1, b.HV, b.K)
                 qv = torch.linalg.solve(gram + torch.diag_embed(lam), qv.expand(1, b.HV, b.K))
-            o_seq.append((qv.unsqueeze(-1) * S).sum(-2) + before)
+            # a readout of S_prev alone has query 0, which to_torch gives as a number on the CPU
+            now = (qv.unsqueeze(-1) * S).sum(-2) if m.query != 0 or gram is not None else 0.0
+            o_seq.append(now + before)
         if o_seq:
             outs.append(torch.stack(o_seq, dim=1))
         else:
