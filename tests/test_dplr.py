@@ -221,7 +221,7 @@ STAGED_ROUTES = {
 }
 
 
-@pytest.mark.parametrize("route", tiered(list(STAGED_ROUTES), ["gdn_sum"]))
+@pytest.mark.parametrize("route", tiered(list(STAGED_ROUTES), []))  # the examples' matrices take rwkv7's and dplr's
 def test_staged_routes_match_the_reference(route):
     """Every staged route a sum spec takes, forward and every gradient, over two staged chunks."""
     name, changes = STAGED_ROUTES[route]

@@ -36,15 +36,21 @@ def shift_back(o: torch.Tensor, first: torch.Tensor, cu_seqlens: torch.Tensor | 
     return torch.where(is_first[None, :, None, None], first[seq][None].to(o.dtype), moved)
 
 
-def env_of(m, tensors: dict, H: int, HV: int, dtype: torch.dtype) -> dict:
-    """Every input (prepared as the reference prepares it: clamped, normalised, repeated over value
-    heads), param, let and the head index h, for all tokens at once: [B, T, HV, K|V|1]."""
+def env_of(m, tensors: dict, H: int, HV: int, dtype: torch.dtype, exprs=()) -> dict:
+    """The inputs (prepared as the reference prepares them: clamped, normalised, repeated over value
+    heads), params and lets that exprs read (with the lets inlined), and the head index h, for all
+    tokens at once: [B, T, HV, K|V|1]. Only those: each is a pass over a [B, T, HV, K] tensor."""
+    import dataclasses
     q = tensors["q"]
+    used = {s.name for e in exprs for s in m.inline_lets(e).free_symbols}
+    sub = dataclasses.replace(m, inputs=tuple(i for i in m.inputs if i.name in used),
+                              params=tuple(p for p in m.params if p.name in used))
     b = SimpleNamespace(tensors=tensors, B=q.shape[0], T=q.shape[1], H=H, HV=HV)
-    env = prepare_inputs(m, b, dtype)
+    env = prepare_inputs(sub, b, dtype)
     env["h"] = torch.arange(HV, device=q.device, dtype=dtype).view(1, 1, HV, 1)
-    for lt in m.lets:
-        env[lt.name] = to_torch(lt.expr)(env)
+    for lt in m.lets:  # in order; a let that reads an input exprs do not need is not needed itself
+        if {s.name for s in lt.expr.free_symbols} <= set(env):
+            env[lt.name] = to_torch(lt.expr)(env)
     return env
 
 
@@ -52,7 +58,7 @@ def before_terms(m, tensors: dict, H: int, HV: int, scale: float, dtype) -> torc
     """scale * sum of (x^T y) z over the dot-product terms, [B, T, HV, V]."""
     if not m.bonus:
         return 0.0
-    env = env_of(m, tensors, H, HV, dtype)
+    env = env_of(m, tensors, H, HV, dtype, [e for bn in m.bonus for e in (bn.summand, bn.value)])
     out = 0.0
     for bn in m.bonus:
         dot = torch.as_tensor(to_torch(bn.summand)(env)).sum(-1, keepdim=True)
@@ -66,7 +72,7 @@ def first_readout(m, tensors: dict, H: int, HV: int, scale: float, S0, cu_seqlen
               else cu_seqlens[:-1].long().clamp(max=max(tensors["q"].shape[1] - 1, 0)))
     firsts = {n: (t.index_select(1, starts) if t.dim() >= 3 and n not in {p.name for p in m.params} else t)
               for n, t in tensors.items()}
-    env = env_of(m, firsts, H, HV, dtype)
+    env = env_of(m, firsts, H, HV, dtype, [m.query_prev])
     y = torch.as_tensor(to_torch(m.inline_lets(m.query_prev))(env)) * scale  # [B, 1 or N, HV, K]
     y = y[:, 0] if cu_seqlens is None else y[0]
     y = y.expand(*y.shape[:-1], S0.shape[-2]) if y.shape[-1] == 1 else y
