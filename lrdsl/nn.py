@@ -384,7 +384,8 @@ class Layer(nn.Module):
             else:
                 h0 = cache.state if cache is not None else None
                 want_state = use_cache or cache is not None
-                run = self.mixer.reference if exact else partial(self.mixer.chunk, cu_seqlens_cpu=cu_seqlens_cpu)
+                run = (self.mixer.reference if exact else self.mixer.chunk if cu_seqlens_cpu is None
+                       else partial(self.mixer.chunk, cu_seqlens_cpu=cu_seqlens_cpu))
                 o, ht = run(q, k, v, initial_state=h0, output_final_state=want_state, cu_seqlens=cu_seqlens,
                             **inputs)
                 ht = _state_to(ht, torch.float64 if exact else torch.float32) if want_state else None

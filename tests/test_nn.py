@@ -53,9 +53,10 @@ def test_prefill_then_decode_equals_one_pass(compiled, name):
     assert err < 1e-5, f"{name}: prefill 13 + decode 1, 3, 7 tokens vs one pass: rms ratio {err:.3g}"
 
 
-# gdn2_atk (the ATK's P) and mesa_retention (the Gram state G) in pytest -q; precond_deltanet (P again)
-# under -m slow
-@pytest.mark.parametrize("name", [pytest.param("precond_deltanet", marks=pytest.mark.slow), "gdn2_atk",
+# mesa_retention (the Gram state G) in pytest -q; gdn2_atk and precond_deltanet (the ATK's P) under
+# -m slow (tests/test_state.py takes gdn2_atk's prefill and decode in pytest -q)
+@pytest.mark.parametrize("name", [pytest.param("precond_deltanet", marks=pytest.mark.slow),
+                                  pytest.param("gdn2_atk", marks=pytest.mark.slow),
                                   "mesa_retention"])
 def test_prefill_then_decode_with_auxiliary_states(compiled, name):
     """Mixers with auxiliary states (the ATK preconditioner's P, an offline solve's Gram state G):

@@ -96,6 +96,7 @@ def test_native_forward_matches_reference(case_id, compiled, monkeypatch):
     assert e_o < TOL and e_s < TOL, f"{case_id}: rms ratio o {e_o:.3g}, state {e_s:.3g}"
 
 
+@pytest.mark.slow  # the opt-in native forward's wider cases (pytest -q's time)
 @pytest.mark.parametrize("strength", [-20.0, -5.0, -0.5], ids=["exact-blocks", "mixed", "tensor-cores"])
 def test_strong_decays(strength, compiled, monkeypatch):
     """g down to -20 per token and channel: a 16-token block decays past exp(-SPAN) and takes the
@@ -112,6 +113,7 @@ def test_strong_decays(strength, compiled, monkeypatch):
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
+@pytest.mark.slow  # the opt-in native forward's wider cases (pytest -q's time)
 def test_a_decay_per_token(monkeypatch):
     """The scalar branch (whole [BT, BT] tiles), on a right-order IR made by hand."""
     left = lrdsl.compile(text=SCALAR, load_kernels=False)
@@ -131,6 +133,7 @@ def test_a_decay_per_token(monkeypatch):
     assert len(native[0]) == 2 and not split
 
 
+@pytest.mark.slow  # the opt-in native forward's wider cases (pytest -q's time)
 @pytest.mark.parametrize("bad", [("k", float("nan"), True), ("v", float("inf"), False), ("g", float("nan"), True)],
                          ids=["k-nan", "v-inf", "g-nan"])
 def test_nonfinite_inputs_take_the_split(bad, compiled, monkeypatch):
@@ -191,6 +194,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow  # the opt-in native forward's wider cases (pytest -q's time)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_other_right_order_specs(variant, monkeypatch):
     mixer = lrdsl.compile(text=f"mixer rank2_{variant.replace('-', '_')}\n" + VARIANTS[variant])

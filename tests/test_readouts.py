@@ -22,7 +22,8 @@ let y = r * sigmoid(g + 1)
 S = (I - beta k k^T) exp(g) S + beta k v^T
 o = S^T q + S_prev^T y + (q^T (u*k)) v + 1/2 * (v^T v) (beta * v)
 """
-CASE = Case(B=1, T=45, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 7, 7, 30, 45), initial_state=True, seed=3)
+# empty sequences first and in the middle (a leading one once made the shift read a token's own query)
+CASE = Case(B=1, T=45, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 0, 7, 7, 30, 45), initial_state=True, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -207,7 +207,8 @@ def products(num: Numeric, s: Seqs, K, passes=(0,)):
             _advance(num, step_env, n, K)
             env.update({name: step_env[name] for name, _, _ in num.aux})
             if r in passes:
-                P = _matrix(num, step_env, n, K) @ P
+                with np.errstate(invalid="ignore", over="ignore"):  # a candidate may overflow: nan, ranked last
+                    P = _matrix(num, step_env, n, K) @ P
         last = step_env if last is None else last
         if r in passes:
             out.append(P)

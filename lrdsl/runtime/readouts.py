@@ -14,13 +14,15 @@ def shift_next(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor
     """x [B, T, ...] with each token holding the next token's value; the last token of each
     sequence keeps its own (any in-range value will do: the output read there is dropped)."""
     T = x.shape[1]
-    idx = torch.arange(1, T + 1, device=x.device)
+    idx = torch.arange(1, T + 2, device=x.device)  # one slot past the end, for empty sequences
     if cu_seqlens is None:
-        idx[-1] = T - 1
+        idx[T - 1] = T - 1
     else:
-        last = (cu_seqlens[1:] - 1).clamp(min=0, max=max(T - 1, 0)).long()
+        cu = cu_seqlens.long()
+        # an empty sequence has no last token (at offset 0, cu - 1 would be -1): it writes the spare slot
+        last = torch.where(cu[1:] > cu[:-1], cu[1:] - 1, torch.full_like(cu[1:], T))
         idx = idx.scatter(0, last, last)
-    return x.index_select(1, idx.clamp(max=max(T - 1, 0)))
+    return x.index_select(1, idx[:T].clamp(max=max(T - 1, 0)))
 
 
 def shift_back(o: torch.Tensor, first: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
