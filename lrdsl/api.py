@@ -270,7 +270,7 @@ class Mixer:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
         if self.ir.reads_before:
-            return self._with_before("chunk", batch, initial_state)
+            return self._with_before("chunk", batch, initial_state, cu_seqlens_cpu)
         if self._native_rank2(batch):
             return self._chunk_rank2(batch)
         # the split's staged kernels, keeping their intermediates too with keep_intermediates (the split
@@ -283,7 +283,7 @@ class Mixer:
             return self._chunk_eager(batch, tensors)
         return self._chunk_tensors(batch, tensors)
 
-    def _with_before(self, method: str, batch, initial_state):
+    def _with_before(self, method: str, batch, initial_state, offsets=None):
         """chunk or recurrent of a readout with S_prev or dot-product terms: the parts' kernels, the
         S_prev part moved one token later, the dot products beside (runtime/readouts.py)."""
         import torch
@@ -293,6 +293,8 @@ class Mixer:
         core, prev, shifted = self._parts
         t, cu = dict(batch.tensors), batch.cu_seqlens
         opts = dict(scale=batch.scale, initial_state=initial_state, cu_seqlens=cu)
+        if offsets is not None:  # chunk's host-side offsets, read by each part instead of cu_seqlens
+            opts["cu_seqlens_cpu"] = offsets
         o = final = None
         if core is not None:
             o, final = getattr(core, method)(**t, output_final_state=batch.output_final_state, **opts)
