@@ -26,14 +26,9 @@ NAIVE_TOL = 1e-5  # float32 loops against the float64 reference
 
 
 @pytest.fixture(scope="module")
-def mixers():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = lrdsl.compile(EXAMPLES / f"{name}.lr", check_stability=False)
-        return cache[name]
-    return get
+def mixers(compiled):
+    """An example by name, through conftest's session cache of compiled specs."""
+    return lambda name: compiled(EXAMPLES / f"{name}.lr", check_stability=False)
 
 
 def bhtd(x):

@@ -3,6 +3,7 @@ shift of one token, the first token's readout of the initial state and the dot p
 differentiable torch operations around the kernels (no host synchronisation)."""
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -42,7 +43,6 @@ def env_of(m, tensors: dict, H: int, HV: int, dtype: torch.dtype, exprs=()) -> d
     """The inputs (prepared as the reference prepares them: clamped, normalised, repeated over value
     heads), params and lets that exprs read (with the lets inlined), and the head index h, for all
     tokens at once: [B, T, HV, K|V|1]. Only those: each is a pass over a [B, T, HV, K] tensor."""
-    import dataclasses
     q = tensors["q"]
     used = {s.name for e in exprs for s in m.inline_lets(e).free_symbols}
     sub = dataclasses.replace(m, inputs=tuple(i for i in m.inputs if i.name in used),
