@@ -1,0 +1,152 @@
+"""The staged kernels reading the state before the token themselves (plan.readout_before, issue 39):
+S_prev^T y, with RWKV-6's bonus (y^T b) z on the chunk's score matrix's diagonal, in one chunk pass
+(codegen/readouts.py's fused). That the route is taken, where it is not, and that it agrees with
+the float64 reference on every path, forward and backward: packed sequences (empty ones too), an
+initial state, HV = 2 H, strong decays at single tokens and over whole 16-token blocks (the exact
+paths of the solve and of stage 4)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import lrdsl
+from lrdsl.codegen import schedule
+from lrdsl.codegen.plan import plan
+from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+HEAD = "mixer m\ninput q[K], k[K], v[V], w[K] log\nS = diag(exp(w)) S + k v^T\n"
+ALONE = HEAD + "o = S_prev^T q\n"  # no bonus: P strictly causal, nothing on its diagonal
+PLAIN_BONUS = HEAD + "o = S_prev^T q + (q^T k) v\n"  # a bonus without a param
+
+
+@pytest.fixture(scope="module")
+def rwkv6(compiled):
+    return compiled(EXAMPLES / "rwkv6.lr")
+
+
+def test_rwkv6_takes_the_fused_route(rwkv6):
+    p = plan(rwkv6.ir)
+    assert p.readout_before and p.staged and p.staged_backward
+    assert re.fullmatch(r"\(?(b_k \* b_u|b_u \* b_k)\)?", p.bonus_key), p.bonus_key
+    names = schedule.kernel_templates(p)
+    assert "staged_solve_blocks_before.py.jinja" in names and "staged_bwd_pair_before.py.jinja" in names
+    assert "staged_solve_blocks.py.jinja" not in names and "staged_bwd_pair.py.jinja" not in names
+    assert [l.template for l in schedule.backward(p) if l.role == "pair"] == ["staged_bwd_pair_before.py.jinja"]
+
+
+@pytest.mark.parametrize("text, bonus", [(ALONE, False), (PLAIN_BONUS, True)])
+def test_the_route_takes_s_prev_alone_and_any_bonus_key(text, bonus):
+    p = plan(lrdsl.compile(text=text).ir)
+    assert p.readout_before and bool(p.bonus_key) == bonus
+
+
+@pytest.mark.parametrize("readout", [
+    "S^T q + S_prev^T q",  # S^T x beside it
+    "S_prev^T q + (q^T (u*k)) (2*v)",  # the bonus's value is not the written one
+    "S_prev^T q + (k^T (u*k)) v",  # the bonus's key side is not the query's
+    "S_prev^T q + (q^T k) v + (q^T (u*k)) v",  # two bonuses
+])
+def test_other_readouts_keep_the_parts(readout):
+    m = lrdsl.compile(text=HEAD.replace("\nS =", "\nparam u[K]\nS =") + f"o = {readout}\n")
+    assert not plan(m.ir).readout_before and not m._fused
+
+
+def test_other_transitions_keep_the_parts(compiled):
+    rwkv7 = compiled(EXAMPLES / "rwkv7.lr", check_stability=False)
+    assert not plan(rwkv7.ir).readout_before
+    scalar = lrdsl.compile(text=HEAD.replace("w[K] log", "w log").replace("diag(exp(w))", "exp(w)")
+                           + "o = S_prev^T q\n")
+    assert not scalar._fused
+
+
+def test_chunk_runs_no_second_chunk_call(monkeypatch):
+    m = lrdsl.compile(EXAMPLES / "rwkv6.lr")
+
+    def refuse(*a, **kw):
+        raise AssertionError("chunk went around the kernels (Mixer._with_before)")
+
+    monkeypatch.setattr(type(m), "_with_before", refuse)
+    x, opts = draw_inputs(m, Case(B=1, T=20, H=1, HV=1, K=16, V=16, seed=1))
+    m.chunk(**x, **opts)
+
+
+def test_no_kernel_takes_exp_of_a_negated_log_decay(rwkv6):
+    """Every exponent of the module is a difference (G - gl, the decay before the token; G_end - G),
+    never -gl alone: exp(-gl) overflows for the strong decays the reference takes."""
+    src = open(rwkv6.kernels.__file__).read()
+    code = "\n".join(line.split("#")[0] for line in src.splitlines())
+    args = []
+    for m in re.finditer(r"tl\.exp\(", code):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(code[i], 0)
+            i += 1
+        args.append(re.sub(r"\s", "", code[m.end():i - 1]))
+    assert args and any("-b_gl" in a for a in args)  # the shifted exponents are there
+    assert not [a for a in args if a.startswith("-") or "(-" in a], args
+    assert not re.search(r"/\s*tl\.exp\(", code)
+
+
+def _against_reference(mixer, x, opts, tol=TOL):
+    """o, the final state and every gradient (loss o . do + S . dS) of chunk against float64."""
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    h0 = opts["initial_state"]
+    h0 = None if h0 is None else h0.clone().requires_grad_()
+    o, S = mixer.chunk(**leaves, **dict(opts, initial_state=h0))
+    gen = torch.Generator().manual_seed(11)
+    do, dS = torch.randn(o.shape, generator=gen), torch.randn(S.shape, generator=gen)
+    ((o * do).sum() + (S * dS).sum()).backward()
+    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    r0 = None if h0 is None else h0.detach().double().requires_grad_()
+    ro, rS = mixer.reference(**ref, **dict(opts, initial_state=r0))
+    ((ro * do.double()).sum() + (rS * dS.double()).sum()).backward()
+    errs = {"o": rms_ratio(o, ro), "S": rms_ratio(S, rS)}
+    errs.update({"d" + n: rms_ratio(leaves[n].grad, ref[n].grad) for n in x})
+    if h0 is not None:
+        errs["dh0"] = rms_ratio(h0.grad, r0.grad)
+    bad = {n: e for n, e in errs.items() if not e < (tol if n in ("o", "S", "dq", "dk", "dv", "dh0") else 10 * tol)}
+    assert not bad, bad
+
+
+CASES = {
+    "plain": Case(B=2, T=40, H=1, HV=1, K=16, V=16, seed=1),
+    # empty sequences first and in the middle; 2 value heads per key head; an initial state
+    "packed": Case(B=1, T=90, H=1, HV=2, K=32, V=16, cu_seqlens=(0, 0, 7, 7, 70, 90), initial_state=True, seed=2),
+    "wide": Case(B=1, T=70, H=2, HV=4, K=16, V=32, initial_state=True, seed=3),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rwkv6_against_the_reference(rwkv6, name):
+    x, opts = draw_inputs(rwkv6, CASES[name])
+    _against_reference(rwkv6, x, opts)
+
+
+@pytest.mark.parametrize("text", [ALONE, PLAIN_BONUS], ids=["alone", "plain bonus"])
+def test_other_fused_readouts_against_the_reference(text):
+    m = lrdsl.compile(text=text)
+    x, opts = draw_inputs(m, CASES["packed"])
+    _against_reference(m, x, opts)
+
+
+@pytest.mark.parametrize("value", [-1e4, float("-inf")], ids=["-1e4", "-inf"])
+def test_strong_decay_at_single_tokens(rwkv6, value):
+    x, opts = draw_inputs(rwkv6, Case(B=1, T=100, H=1, HV=2, K=16, V=16, initial_state=True, seed=5))
+    x["w"][0, 30] = value  # mid-chunk, a 16-token block's first token, and a chunk's first
+    x["w"][0, 48] = value
+    x["w"][0, 64] = value
+    _against_reference(rwkv6, x, opts)
+
+
+def test_strong_decay_over_16_token_blocks(rwkv6):
+    """Blocks that decay past exp(-SPAN) in some channels take the exact paths (the solve's second
+    launch, stage 4's column-by-column diagonal); packed, so that a sequence starts inside one."""
+    case = Case(B=1, T=100, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 21, 100), initial_state=True, seed=6)
+    x, opts = draw_inputs(rwkv6, case)
+    x["w"][0, 16:48, :, :8] = -5.0  # -80 over each of two blocks, half of the channels
+    x["w"][0, 70:78, :, 3] = -9.0
+    _against_reference(rwkv6, x, opts)
