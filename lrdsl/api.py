@@ -131,7 +131,8 @@ class Mixer:
     def kernels(self):
         """The generated module (kernels and host wrappers), loaded from the on-disk cache. For a
         readout with S_prev or dot-product terms: the module of its first part (lrdsl.Mixer runs
-        the readout around the parts' kernels)."""
+        the readout around the parts' kernels), unless the staged kernels read it themselves
+        (Mixer._fused): then its own, whose chunk alone reads it (its general kernels read S^T y)."""
         if self.ir.reads_before and not self._fused:
             return next(p for p in self._parts[:2] if p is not None).kernels
         if self._kernels is None:  # not a cached_property: its lock breaks torch.compile graphs

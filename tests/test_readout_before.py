@@ -150,3 +150,12 @@ def test_strong_decay_over_16_token_blocks(rwkv6):
     x["w"][0, 16:48, :, :8] = -5.0  # -80 over each of two blocks, half of the channels
     x["w"][0, 70:78, :, 3] = -9.0
     _against_reference(rwkv6, x, opts)
+
+
+def test_the_pytorch_chain_rule_reads_the_fused_vectors(monkeypatch):
+    """Where no generated chain rule runs (module.HAS_CHAIN_RULE off), PyTorch's takes the vector
+    gradients to the inputs through the same vectors: r from y, c the bonus's key."""
+    m = lrdsl.compile(EXAMPLES / "rwkv6.lr")
+    monkeypatch.setattr(m.kernels, "HAS_CHAIN_RULE", False)
+    x, opts = draw_inputs(m, CASES["packed"])
+    _against_reference(m, x, opts)

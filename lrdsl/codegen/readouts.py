@@ -19,6 +19,7 @@ y_t . b_t, b carried as the per-token vector c (no erase uses it there)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import sympy as sp
@@ -35,6 +36,7 @@ class Fused:
     bonus_key: sp.Expr | None  # b of the bonus (y^T b) z (None without one)
 
 
+@functools.lru_cache(maxsize=256)  # the backward's PyTorch chain rule asks at every call
 def fused(m: ir.Mixer) -> Fused | None:
     """The fused readout of m, or None where m keeps the parts' kernels (core_ir, prev_ir)."""
     if (m.query != 0 or m.query_prev == 0 or len(m.bonus) > 1 or m.delta is not None or m.aux
