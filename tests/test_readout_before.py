@@ -38,7 +38,7 @@ def test_rwkv6_takes_the_fused_route(rwkv6):
     assert [l.template for l in schedule.backward(p) if l.role == "pair"] == ["staged_bwd_pair_before.py.jinja"]
 
 
-@pytest.mark.parametrize("text, bonus", [(ALONE, False), (PLAIN_BONUS, True)])
+@pytest.mark.parametrize("text, bonus", [(ALONE, False), (PLAIN_BONUS, True)], ids=["alone", "plain bonus"])
 def test_the_route_takes_s_prev_alone_and_any_bonus_key(text, bonus):
     p = plan(lrdsl.compile(text=text).ir)
     assert p.readout_before and bool(p.bonus_key) == bonus
@@ -112,6 +112,7 @@ def _against_reference(mixer, x, opts, tol=TOL):
     assert not bad, bad
 
 
+# "packed" (the richest) in pytest -q, the others under -m slow
 CASES = {
     "plain": Case(B=2, T=40, H=1, HV=1, K=16, V=16, seed=1),
     # empty sequences first and in the middle; 2 value heads per key head; an initial state
@@ -120,20 +121,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [n if n == "packed" else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_rwkv6_against_the_reference(rwkv6, name):
     x, opts = draw_inputs(rwkv6, CASES[name])
     _against_reference(rwkv6, x, opts)
 
 
-@pytest.mark.parametrize("text", [ALONE, PLAIN_BONUS], ids=["alone", "plain bonus"])
+@pytest.mark.parametrize("text", [ALONE, pytest.param(PLAIN_BONUS, marks=pytest.mark.slow)], ids=["alone", "plain bonus"])
 def test_other_fused_readouts_against_the_reference(text):
     m = lrdsl.compile(text=text)
     x, opts = draw_inputs(m, CASES["packed"])
     _against_reference(m, x, opts)
 
 
-@pytest.mark.parametrize("value", [-1e4, float("-inf")], ids=["-1e4", "-inf"])
+@pytest.mark.parametrize("value", [pytest.param(-1e4, marks=pytest.mark.slow), float("-inf")], ids=["-1e4", "-inf"])
 def test_strong_decay_at_single_tokens(rwkv6, value):
     x, opts = draw_inputs(rwkv6, Case(B=1, T=100, H=1, HV=2, K=16, V=16, initial_state=True, seed=5))
     x["w"][0, 30] = value  # mid-chunk, a 16-token block's first token, and a chunk's first
@@ -152,6 +153,7 @@ def test_strong_decay_over_16_token_blocks(rwkv6):
     _against_reference(rwkv6, x, opts)
 
 
+@pytest.mark.slow
 def test_the_pytorch_chain_rule_reads_the_fused_vectors(monkeypatch):
     """Where no generated chain rule runs (module.HAS_CHAIN_RULE off), PyTorch's takes the vector
     gradients to the inputs through the same vectors: r from y, c the bonus's key."""
