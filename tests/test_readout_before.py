@@ -6,11 +6,13 @@ initial state, HV = 2 H, strong decays at single tokens and over whole 16-token 
 paths of the solve and of stage 4)."""
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from test_nonfinite import check_causal, semantics, spoil  # noqa: F401 (semantics: a fixture)
 
 import lrdsl
 from lrdsl.codegen import schedule
@@ -75,8 +77,9 @@ def test_chunk_runs_no_second_chunk_call(monkeypatch):
 
 
 def test_no_kernel_takes_exp_of_a_negated_log_decay(rwkv6):
-    """Every exponent of the module is a difference (G - gl, the decay before the token; G_end - G),
-    never -gl alone: exp(-gl) overflows for the strong decays the reference takes."""
+    """Every exponent of the module is a sum or a difference of cumulated log-decays (Gx, the decay
+    before the token, as _cumsum_before's exclusive sums or the row before's G; G_end - G), never
+    -gl alone: exp(-gl) overflows for the strong decays the reference takes."""
     src = open(rwkv6.kernels.__file__).read()
     code = "\n".join(line.split("#")[0] for line in src.splitlines())
     args = []
@@ -86,7 +89,7 @@ def test_no_kernel_takes_exp_of_a_negated_log_decay(rwkv6):
             depth += {"(": 1, ")": -1}.get(code[i], 0)
             i += 1
         args.append(re.sub(r"\s", "", code[m.end():i - 1]))
-    assert args and any("-b_gl" in a for a in args)  # the shifted exponents are there
+    assert args and any("_cumsum_before" in a for a in args)  # the shifted exponents are there
     assert not [a for a in args if a.startswith("-") or "(-" in a], args
     assert not re.search(r"/\s*tl\.exp\(", code)
 
@@ -161,3 +164,23 @@ def test_the_pytorch_chain_rule_reads_the_fused_vectors(monkeypatch):
     monkeypatch.setattr(m.kernels, "HAS_CHAIN_RULE", False)
     x, opts = draw_inputs(m, CASES["packed"])
     _against_reference(m, x, opts)
+
+
+# nan in the decay (every channel of the token, or one), or in a key: the readout before the token
+# reads the state before it, so a bad decay spoils the tokens after it only (Gx at its own row is
+# finite: _cumsum_before), a bad key its own token too (the bonus). Inside a chunk and at a chunk's
+# first token; the interpreter's min / max as a GPU's ("gpu") and as numpy's. -m slow: all but one
+NONFINITE = [pytest.param(bad, where, sem, marks=() if (bad, where, sem) == ("w-nan", 37, "gpu") else pytest.mark.slow,
+                          id=f"{bad}-t{where}-{sem}")
+             for bad in ("w-nan", "w-nan-channel", "k-nan") for where in (37, 64) for sem in ("gpu", "numpy")]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("bad,where,semantics", NONFINITE, indirect=["semantics"])
+def test_nonfinite_input_reaches_no_earlier_token(bad, where, semantics, compiled, monkeypatch):
+    mixer = compiled(EXAMPLES / "rwkv6.lr", check_ranges=False)
+    case = Case(B=1, T=110, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 20, 110), initial_state=True, seed=9)
+    x, opts = draw_inputs(mixer, case)
+    row = 20 + where
+    x = spoil(x, bad[0], math.nan, not bad.endswith("channel"), row)
+    check_causal(mixer, x, opts, row + 1 if bad.startswith("w") else row, monkeypatch, bad)

@@ -203,13 +203,13 @@ def _fwd_holes(plan: Plan) -> dict:
     # the erase reads the state before the token's decay (order "sum"): c's exponent in the chunk
     # frame is G - gl, where G is u's and r's (the token's own log-decay gl, never its negation alone)
     c_gx = plan.erase_read_shift
-    # the readout of the state before the token (plan.readout_before): r's exponent is G - gl (the
-    # decay cumulated before the token, never an exponent of -gl alone), P strictly causal, the
-    # bonus r . c on its diagonal (_diagonal_blocks_before)
-    r_gx = " - b_gl" if plan.readout_before else ""
+    # the readout of the state before the token (plan.readout_before): r's exponent is Gx, the
+    # decay cumulated before the token (_cumsum_before: never an exponent of -gl), P strictly
+    # causal, the bonus r . c on its diagonal (_diagonal_blocks_before)
+    r_gx = plan.readout_before
     return dict(
-        query_shift=r_gx,
-        r_dec="tl.exp(b_G - b_gl - b_ref{i}[None, :])" if r_gx else "b_dec",
+        query_decay="_cumsum_before(b_gl, o_t)" if r_gx else "tl.cumsum(b_gl, 0)",
+        r_dec="tl.exp(_cumsum_before(b_gl, o_s))" if r_gx else "b_dec",  # Gx - ref_i: the block's own sums
         diagonal_blocks="_diagonal_blocks_before" if r_gx else "_diagonal_blocks",
         decays=decays,
         keys_in_solve=keys_in_solve,
@@ -217,7 +217,7 @@ def _fwd_holes(plan: Plan) -> dict:
         # c decayed to the 16-token block's start ref_i (solve_diagonal): b_dec's, or its own factor
         c_dec="tl.exp(b_G - b_gl - b_ref{i}[None, :])" if c_gx else "b_dec",
         # c's rows' G in the exact diagonal block (r's, for the readout before the token)
-        c_G="b_G - b_gl" if c_gx or r_gx else "b_G",
+        c_G="b_ref{i}[None, :] + _cumsum_before(b_gl, o_s)" if r_gx else "b_G - b_gl" if c_gx else "b_G",
         c_row="b_Gc" if c_gx else "b_G",  # A's rows' G per block (solve_scalar)
         blocks=nb,
         # the solve's diagonal blocks: X's and A's (arguments), the inverses a helper returns
@@ -364,7 +364,7 @@ def _before_holes(plan: Plan) -> dict:
                      + dp_causal)
     return dict(
         dp_causal=dp_causal,
-        query_shift=" - b_gl" if plan.readout_before else "",
+        query_decay="_cumsum_before(b_gl, o_t)" if plan.readout_before else "tl.cumsum(b_gl, 0)",
         dq_args="dc_ptr, drb_ptr," if bonus else "",
         dq_call="dc, drb, " if bonus else "",
         dq_bonus=("    tl.store(dc_ptr + p_tk, (b_dd[:, None] * b_r).to(dc_ptr.dtype.element_ty), mask=m_tk)\n"
