@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_nonfinite import check_causal, semantics, spoil  # noqa: F401 (semantics: a fixture)
+from test_nonfinite import check_causal, check_earlier_dq, semantics, spoil  # noqa: F401 (semantics: a fixture)
 
 import lrdsl
 from lrdsl.codegen import schedule
@@ -184,3 +184,15 @@ def test_nonfinite_input_reaches_no_earlier_token(bad, where, semantics, compile
     row = 20 + where
     x = spoil(x, bad[0], math.nan, not bad.endswith("channel"), row)
     check_causal(mixer, x, opts, row + 1 if bad.startswith("w") else row, monkeypatch, bad)
+
+
+@pytest.mark.parametrize("semantics", ["gpu"], indirect=True)  # the GPU's minnum on a CPU
+@pytest.mark.parametrize("bad", ["w", "k"])
+def test_nonfinite_input_leaves_earlier_dq(bad, semantics, compiled):
+    """A nan key at token t leaves dq of the tokens before it as the reference has them, a nan decay
+    those up to t (o_t reads the state before the decay); the backward runs on finite copies of the
+    inputs (runtime/nonfinite.py), so this guards that hand-over for the fused route."""
+    mixer = compiled(EXAMPLES / "rwkv6.lr", check_ranges=False)
+    case = Case(B=1, T=100, H=1, HV=1, K=16, V=16, seed=4)
+    x, opts = draw_inputs(mixer, case)
+    check_earlier_dq(mixer, spoil(x, bad, math.nan, True, 37), opts, case, 38 if bad == "w" else 37, f"rwkv6 {bad}")
