@@ -365,14 +365,16 @@ def _before_holes(plan: Plan) -> dict:
     return dict(
         dp_causal=dp_causal,
         query_decay="_cumsum_before(b_gl, o_t)" if plan.readout_before else "tl.cumsum(b_gl, 0)",
-        dq_args="dc_ptr, drb_ptr," if bonus else "",
+        dq_args=" dc_ptr, drb_ptr," if bonus else "",
         dq_call="dc, drb, " if bonus else "",
         dq_bonus=("    tl.store(dc_ptr + p_tk, (b_dd[:, None] * b_r).to(dc_ptr.dtype.element_ty), mask=m_tk)\n"
                   "    tl.store(drb_ptr + p_tk, (b_dd[:, None] * b_c).to(drb_ptr.dtype.element_ty), mask=m_tk)")
         if bonus else "",
-        host_buffers=("dc, drb = torch.empty(B, T, HV, K, **vg), torch.empty(B, T, HV, K, **vg)  # the bonus's "
-                      "shares (plan.bonus_key)") if bonus else "dc = drb = None",
-        pair_call="drb, " if plan.readout_before else "",
+        dq_vectors="_, b_c, b_r, b_gl" if bonus else "_, _, b_r, b_gl",
+        host_buffers=("\n    dc, drb = torch.empty(B, T, HV, K, **vg), torch.empty(B, T, HV, K, **vg)  # the bonus's "
+                      "shares (plan.bonus_key)") if bonus else "",
+        no_erase="(dc, None, None)" if bonus else "(None,) * 3",  # dc, dA, c: the bonus's dc (stage 1's)
+        pair_call="drb, " if bonus else "None, " if plan.readout_before else "",
         dr_bonus=(" + tl.load(drb_ptr + (t0 * HV + i_hv) * K + i_ks * BKP + p_i, mask=m_ik, other=0).to(tl.float32)"
                   if bonus else ""),
     )
