@@ -25,6 +25,7 @@ class Mixer:
         self._op = None
         self._split = None
         self._parts_cache = None
+        self._fused_cache = None
         self.source = source
         self.filename = filename
 
@@ -57,6 +58,8 @@ class Mixer:
             for part in self._parts[:2]:
                 if part is not None:
                     part._load_kernels()
+            if self._fused:  # and chunk's own, which read it in one pass
+                self.chunk_op  # noqa: B018
         elif self.ir.solve_lam is None:
             self.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
             if self.split is not None:  # and the split spec's, which chunk runs where it can
@@ -116,11 +119,21 @@ class Mixer:
         return self._parts_cache
 
     @property
+    def _fused(self) -> bool:
+        """The staged kernels read this spec's readout of the state before the update themselves
+        (codegen/readouts.py's fused): chunk takes them where the keys fit them."""
+        if self._fused_cache is None:
+            from lrdsl.codegen.readouts import fused
+            self._fused_cache = self.ir.reads_before and fused(self.ir) is not None
+        return self._fused_cache
+
+    @property
     def kernels(self):
         """The generated module (kernels and host wrappers), loaded from the on-disk cache. For a
         readout with S_prev or dot-product terms: the module of its first part (lrdsl.Mixer runs
-        the readout around the parts' kernels)."""
-        if self.ir.reads_before:
+        the readout around the parts' kernels), unless the staged kernels read it themselves
+        (Mixer._fused): then its own, whose chunk alone reads it (its general kernels read S^T y)."""
+        if self.ir.reads_before and not self._fused:
             return next(p for p in self._parts[:2] if p is not None).kernels
         if self._kernels is None:  # not a cached_property: its lock breaks torch.compile graphs
             from lrdsl.runtime.loader import load
@@ -269,7 +282,7 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
-        if self.ir.reads_before:
+        if self.ir.reads_before and not (self._fused and batch.K <= self.kernels.STAGED_MAX_K):
             return self._with_before("chunk", batch, initial_state, cu_seqlens_cpu)
         if self._native_rank2(batch):
             return self._chunk_rank2(batch)

@@ -230,7 +230,11 @@ def cmd_show(args) -> int:
     print(m.canonical(), end="")
     print("\n# kernels")
     print(kernels_text(m.ir), end="")
-    if m.ir.reads_before:
+    if m.ir.reads_before and m._fused:
+        print("readout    S_prev^T y inside the staged kernels, one chunk pass (plan.readout_before,\n"
+              "           lrdsl/codegen/readouts.py): P strictly causal, y decayed by G - g, the bonus on P's\n"
+              "           diagonal; wider keys and recurrent take the parts around the kernels")
+    elif m.ir.reads_before:
         print("readout    S_prev^T y and dot products around the kernels (lrdsl/codegen/readouts.py): the\n"
               "           kernels of S^T x and of S^T y with y read one token later, the dot products in PyTorch")
     return 0
