@@ -88,7 +88,7 @@ class Mixer:
         return tuple(p.name for p in self.ir.params)
 
     def __repr__(self) -> str:
-        return f"<lrdsl.Mixer {self.name}: {printer.transition(self.ir)} S + write>"
+        return f"<lrdsl.Mixer {self.name}: {printer.product(self.ir)} S + write>"
 
     def explicit(self) -> str:
         return printer.explicit(self.ir)

@@ -79,12 +79,12 @@ def growth(m: ir.Mixer, w: dict) -> tuple:
     tokens = (w.get("replay") or {}).get("tokens", 200)
     pre = w["prefix"]["repeat"] if w["prefix"] else 0
     env = witness._run(num, w, max(1, math.ceil((tokens - pre) / steps)))
-    d, a, c = witness._pieces(num, env, w["K"])
+    d, a, c, more = witness._pieces(num, env, w["K"])
     order = m.delta.order if m.delta else None
     S, norms = np.eye(w["K"]), [1.0]
     with np.errstate(all="ignore"):
         for t in range(len(d)):
-            S = witness._apply(d[t], a[t], c[t], order, S)
+            S = witness._apply(d[t], a[t], c[t], order, S, more[t])
             norms.append(float(np.linalg.norm(S) / math.sqrt(w["K"])))
     return np.array(norms), pre
 

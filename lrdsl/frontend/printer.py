@@ -142,6 +142,13 @@ def transition(m: ir.Mixer) -> str:
     return f"{erase} {dtext}" if m.delta.order == "left" else f"{dtext} {erase}"
 
 
+def product(m: ir.Mixer) -> str:
+    """The whole transition M_t of a token (a product's factors, the last leftmost) as spec text."""
+    erases = [f"(I - {_vec(st.delta.a)} {_vec(st.delta.c)}^T)" for st in reversed(m.steps) if st.delta is not None]
+    t = transition(m)
+    return " ".join(erases + ([] if t == "I" and erases else [t]))
+
+
 def explicit(m: ir.Mixer) -> str:
     lines = [f"mixer {m.name}", "input " + ", ".join(decl(i) for i in m.inputs)]
     if m.params:
