@@ -12,8 +12,11 @@ inputs (runtime/product.py interleaves them), and its kernels are generated like
 forward and backward, recurrent, step, context parallelism and the layer follow."""
 from __future__ import annotations
 
+import dataclasses
+
 import sympy as sp
 
+from lrdsl.checks.ranges import Ranges
 from lrdsl.frontend import ir
 from lrdsl.frontend.symbolic import simplified
 
@@ -49,9 +52,12 @@ def sub_ir(m: ir.Mixer) -> ir.Mixer:
         inputs.append(vec(U, "K"))
     decay = ir.Decay("identity", sp.Integer(1))
     if m.decay.kind != "identity":
-        # a log-decay input with no declared bound: a spec that allows an unstable decay (> 1)
-        # keeps it, where a `log` input would be clamped to <= 0
-        inputs.append(vec(G, "K" if m.decay.kind == "diagonal" else "scalar"))
+        g_in = vec(G, "K" if m.decay.kind == "diagonal" else "scalar")
+        if Ranges(m).of(m.inline_lets(m.log_decay()))[1] <= 0:
+            # a log-decay, as the kernels know one: a reset (-inf) gets a zero gradient there, where
+            # an input of no declared range gives nan gradients (measured 2026-12-06)
+            g_in = dataclasses.replace(g_in, log=True, hi=sp.Integer(0), hi_open=False)
+        inputs.append(g_in)
         g = ir.symbol(G)
         decay = ir.Decay("diagonal" if m.decay.kind == "diagonal" else "scalar", sp.exp(g))
     has_erase = m.delta is not None or any(st.delta is not None for st in m.steps)
