@@ -243,9 +243,10 @@ def kernels_text(m) -> str:
         from lrdsl.frontend import printer
         sub = sub_ir(m)
         update = next(line for line in printer.explicit(sub).splitlines() if line.startswith("S = "))
-        return (f"product    {m.n_steps} steps per token as {m.n_steps} sub-tokens of one step each "
-                f"(lrdsl/codegen/product.py):\n           {update}, the log-decay g on the first sub-token, "
-                "o read at the last\n" + kernels_text(sub))
+        first, rest = kernels_text(sub).split("\n", 1)
+        return (f"{first}\n           of the one-step sub-mixer, on {m.n_steps} sub-tokens per token (the {m.n_steps} "
+                f"steps; lrdsl/codegen/product.py):\n           {update}, the log-decay g on the first "
+                "sub-token, o read at the last\n" + rest)
     decode = "recurrent  token by token, one launch (templates/{}recurrent.py.jinja): the decode path\n"
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")

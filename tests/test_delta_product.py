@@ -225,3 +225,41 @@ def test_layer_prefill_then_decode_and_gradients(mixers):
     y.pow(2).sum().backward()
     missing = [n for n, p in L.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing, missing
+
+
+# ---- FLA's twin: its naive loop on the arguments `lrdsl bench` gives chunk_gated_delta_product -----
+def fla_naive(name: str, x: dict, h0: torch.Tensor):
+    """FLA's naive_recurrent_gated_delta_product on bench.TWINS[name]'s arguments: o, final state."""
+    pytest.importorskip("fla")
+    from fla.ops.gated_delta_product.naive import naive_recurrent_gated_delta_product
+
+    from lrdsl.bench import TWINS
+    kw = TWINS[name][1](dict(x))
+    l2 = lambda t: t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6)  # noqa: E731 (FLA's l2norm_fwd)
+    q, k = (l2(kw[n].float()) for n in ("q", "k")) if kw["use_qk_l2norm_in_kernel"] else (kw["q"], kw["k"])
+    return naive_recurrent_gated_delta_product(q, k, kw["v"], kw["g"], kw["beta"], kw["scale"],
+                                               initial_state=h0.float().clone(), output_final_state=True,
+                                               num_householder=kw["num_householder"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_and_chunk_equal_fla_naive(mixers, name):
+    """The float64 reference and the chunked kernels equal FLA's naive loop (float32: 1e-5)."""
+    mixer = mixers(name)
+    x, opts = draw_inputs(mixer, Case(B=2, T=13, H=2, HV=2, K=8, V=6, initial_state=True, seed=3))
+    o_fla, S_fla = fla_naive(name, x, opts["initial_state"])
+    o, S = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=opts["initial_state"].double(),
+                           output_final_state=True)
+    assert rms_ratio(o_fla, o) < 1e-5 and rms_ratio(S_fla, S) < 1e-5
+    o_c, S_c = mixer.chunk(**x, **opts)
+    assert rms_ratio(o_c, o_fla) < 1e-4 and rms_ratio(S_c, S_fla) < 1e-4
+
+
+def test_a_wrong_step_order_is_caught(mixers):
+    """The comparison sees the steps swapped (k2 first): a different model, far outside 1e-5."""
+    mixer = mixers("delta_product2")
+    x, opts = draw_inputs(mixer, Case(B=2, T=13, H=2, HV=2, K=8, V=6, initial_state=True, seed=3))
+    swapped = dict(x, k=x["k2"], k2=x["k"], v=x["v2"], v2=x["v"], b1=x["b2"], b2=x["b1"])
+    o_fla, _ = fla_naive("delta_product2", swapped, opts["initial_state"])
+    o, _ = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=opts["initial_state"].double())
+    assert rms_ratio(o_fla, o) > 1e-2
