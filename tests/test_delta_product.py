@@ -263,3 +263,62 @@ def test_a_wrong_step_order_is_caught(mixers):
     o_fla, _ = fla_naive("delta_product2", swapped, opts["initial_state"])
     o, _ = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=opts["initial_state"].double())
     assert rms_ratio(o_fla, o) > 1e-2
+
+
+# ---- GPU (the device machine: LRDSL_TEST_DEVICE=cuda pytest -m gpu tests/test_delta_product.py) -----
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+
+
+def _gpu_inputs(mixer, B=2, T=2048, H=4, HV=4, K=128, V=128, seed=0):
+    from test_gpu import draw
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = draw(mixer, B, T, H, HV, K, V, torch.bfloat16, "cuda", gen)
+    return x, torch.randn(B, HV, K, V, generator=gen, device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_chunk_and_gradients_against_the_reference_gpu(name):
+    """bf16 inputs, B=2 T=2048 H=4 K=V=128 and packed: chunk and recurrent forward, chunk's
+    gradients, against the float64 reference (test_gpu's tolerances)."""
+    from test_gpu import _check_backward_bf16
+    mixer = lrdsl.compile(EXAMPLES / f"{name}.lr")
+    x, h0 = _gpu_inputs(mixer)
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=h0.double(),
+                                   output_final_state=True)
+    for which in ("chunk", "recurrent"):
+        o, s = getattr(mixer, which)(**x, initial_state=h0, output_final_state=True)
+        assert rms_ratio(o.double(), ref_o) < 5e-3 and rms_ratio(s.double(), ref_s) < 5e-3, which
+    cu = torch.tensor([0, 700, 700, 2048 + 1500, 4096], device="cuda")
+    flat = {n: t.reshape(1, 4096, *t.shape[2:]) for n, t in x.items()}
+    h0n = torch.randn(4, 4, 128, 128, device="cuda")
+    ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in flat.items()}, initial_state=h0n.double(),
+                                   output_final_state=True, cu_seqlens=cu)
+    o, s = mixer.chunk(**flat, initial_state=h0n, output_final_state=True, cu_seqlens=cu)
+    assert rms_ratio(o.double(), ref_o) < 5e-3 and rms_ratio(s.double(), ref_s) < 5e-3
+    _check_backward_bf16(mixer, "chunk bwd")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_chunk_against_fla_chunk_gpu(name):
+    """lrdsl's chunk beside FLA's chunk_gated_delta_product on bench's arguments (H == HV: FLA has
+    no grouped values here), bf16: the two agree to bf16's rounding, forward and the initial state's
+    and q's gradients."""
+    pytest.importorskip("fla")
+    from lrdsl.bench import TWINS, _fla
+    mixer = lrdsl.compile(EXAMPLES / f"{name}.lr")
+    x, h0 = _gpu_inputs(mixer)
+    op_name, args = TWINS[name]
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, s = mixer.chunk(**leaves, initial_state=h0, output_final_state=True)
+    leaves_f = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o_f, s_f = _fla(op_name)(**args(leaves_f), initial_state=h0, output_final_state=True)
+    assert rms_ratio(o, o_f) < 1e-2 and rms_ratio(s, s_f) < 1e-2
+    do = torch.randn_like(o)
+    (o * do).sum().backward()
+    (o_f * do).sum().backward()
+    for n in ("q", "k", "v", "g"):
+        assert rms_ratio(leaves[n].grad, leaves_f[n].grad) < 2e-2, n
