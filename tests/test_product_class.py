@@ -28,12 +28,14 @@ def spec_text(decay: str, steps: list) -> str:
     d_input, d_text = DECAYS[decay]
     inputs, update = ["q[K] l2norm"], ""
     for j, kind in enumerate(steps, 1):
-        factor, write, extra = (t.replace("{j}", str(j)) if isinstance(t, str) else [e.replace("{j}", str(j)) for e in t]
-                                for t in STEPS[kind])
-        inputs += [f"k{j}[K] l2norm", f"v{j}[V]", *extra]
+        # the first step's key and value are k and v (every mixer has them), k2, v2, ... the others'
+        sub = lambda t: t.replace("k{j}", "k" if j == 1 else f"k{j}").replace(  # noqa: E731
+            "v{j}", "v" if j == 1 else f"v{j}").replace("{j}", str(j))
+        factor, write, extra = sub(STEPS[kind][0]), sub(STEPS[kind][1]), [sub(e) for e in STEPS[kind][2]]
+        inputs += [sub("k{j}[K] l2norm"), sub("v{j}[V]"), *extra]
         inner = f"{d_text}S" if j == 1 else f"({update})"
         update = f"{factor + ' ' if factor else ''}{inner} + {write}"
-    inputs = ["k[K]", "v[V]"] + inputs + ([d_input] if d_input else [])  # q, k, v are required names
+    inputs += [d_input] if d_input else []
     return "\n".join(["mixer product_class", "input " + ", ".join(inputs), f"S = {update}", "o = S^T q",
                       "allow unstable"]) + "\n"
 
