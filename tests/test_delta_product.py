@@ -322,3 +322,13 @@ def test_bf16_chunk_against_fla_chunk_gpu(name):
     (o_f * do).sum().backward()
     for n in ("q", "k", "v", "g"):
         assert rms_ratio(leaves[n].grad, leaves_f[n].grad) < 2e-2, n
+
+
+def test_a_first_step_without_erase():
+    """(I - b k2 k2^T) (exp(g) S + k v^T) + b k2 v2^T: the first step writes without erasing (its
+    sub-token reads c = 0 along a = k); every path and gradient against the reference."""
+    mixer = lrdsl.compile(text="mixer first_write\ninput q[K] l2norm, k[K] l2norm, k2[K] l2norm, v[V], v2[V], "
+                               "b in (0, 1), g log\nS = (I - b k2 k2^T) (exp(g) S + k v^T) + b k2 v2^T\no = S^T q\n")
+    assert mixer.ir.delta is None and mixer.ir.n_steps == 2
+    out = check_case(mixer, CASES["batch-h0"], DEVICE, grad=True)
+    assert out.ok, out.message

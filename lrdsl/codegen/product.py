@@ -25,20 +25,18 @@ Q, C, Z, A, U, G = "q", "k", "v", "w", "u", "g"
 
 
 def steps_of(m: ir.Mixer) -> tuple:
-    """(a, c, u, z) of each of m's steps, in order; a = c = 0 for a step without erase."""
-    zero = sp.Integer(0)
-    first = (m.delta.a, m.delta.c) if m.delta is not None else (zero, zero)
-    out = [(*first, m.write.key, m.write.value)]
-    for st in m.steps:
-        out.append(((st.delta.a, st.delta.c) if st.delta is not None else (zero, zero))
-                   + (st.write.key, st.write.value))
+    """(a, c, u, z) of each of m's steps, in order. A step without erase reads c = 0 along a = u:
+    (I - u 0^T) is I, and the erase direction stays the write key, as the staged kernels want it."""
+    out = []
+    for delta, write in ((m.delta, m.write), *((st.delta, st.write) for st in m.steps)):
+        a, c = (delta.a, delta.c) if delta is not None else (write.key, sp.Integer(0))
+        out.append((a, c, write.key, write.value))
     return tuple(out)
 
 
 def separate_key(m: ir.Mixer) -> bool:
-    """Some step's erase direction is not its write key (the sub-mixer then reads both; a step
-    without erase has a = 0 and needs no key of its own where the others agree)."""
-    return any(simplified(a - u) != 0 and not (a == 0 and c == 0) for a, c, u, _ in steps_of(m))
+    """Some step's erase direction is not its write key: the sub-mixer then reads both."""
+    return any(simplified(a - u) != 0 for a, _, u, _ in steps_of(m))
 
 
 def sub_ir(m: ir.Mixer) -> ir.Mixer:
