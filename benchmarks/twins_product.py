@@ -30,7 +30,7 @@ SPECS = ["examples/delta_product2.lr", "examples/delta_product3.lr"]
 def sub_alone(mixer, x: dict, s) -> dict:
     """The sub-mixer's chunk on its inputs made beforehand: the kernels' share of lrdsl's time."""
     with torch.no_grad():
-        sx = {n: t.detach().contiguous() for n, t in sub_inputs(mixer.ir, x, s.H, s.H, mixer.product.ir).items()}
+        sx = {n: t.detach().contiguous() for n, t in sub_inputs(mixer.product_plan, x, s.H, s.H).items()}
     sub = mixer.product
     return measure(lambda t: sub.chunk(t[cp.Q], t[cp.C], t[cp.Z], **{n: v for n, v in t.items()
                                                                      if n not in (cp.Q, cp.C, cp.Z)})[0], sx, s, True)

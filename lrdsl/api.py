@@ -25,6 +25,7 @@ class Mixer:
         self._op = None
         self._split = None
         self._product = None
+        self._product_plan = None
         self._parts_cache = None
         self.source = source
         self.filename = filename
@@ -54,7 +55,8 @@ class Mixer:
         import importlib.util
         if importlib.util.find_spec("triton") is None:
             return
-        if self.ir.steps:  # a product of steps runs on its sub-mixer's kernels
+        if self.ir.steps:  # a product of steps runs on its sub-mixer's kernels, its inputs made by the plan
+            self.product_plan  # noqa: B018 (made here: sympy must not run under torch.compile's tracing)
             self.product._load_kernels()
         elif self.ir.reads_before:  # the parts' kernels: this readout runs around them
             for part in self._parts[:2]:
@@ -392,6 +394,14 @@ class Mixer:
             from lrdsl.codegen.product import sub_ir
             self._product = Mixer(sub_ir(self.ir), keep_intermediates=self.keep_intermediates, check_ranges=False)
         return self._product
+
+    @property
+    def product_plan(self):
+        """The sub-mixer's inputs as plain functions of this product's (runtime/product.py), made once."""
+        if self._product_plan is None:
+            from lrdsl.runtime.product import plan_of
+            self._product_plan = plan_of(self.ir, self.product.ir)
+        return self._product_plan
 
     @property
     def split(self):

@@ -227,6 +227,20 @@ def test_layer_prefill_then_decode_and_gradients(mixers):
     assert not missing, missing
 
 
+def test_layer_compiles_without_a_graph_break(mixers):
+    """torch.compile(fullgraph=True) traces a packed call of a product's layer (the per-step vectors
+    come from plain functions made at compile time, no sympy in the trace), equal to eager."""
+    from lrdsl.nn import Layer
+    torch.manual_seed(0)
+    L = Layer(mixers("delta_product2"), 32, 2, 16)
+    x = torch.randn(1, 10, 32, generator=torch.Generator().manual_seed(14))
+    cu = torch.tensor([0, 4, 10])
+    torch._dynamo.reset()
+    f = torch.compile(lambda t, c: L(t, cu_seqlens=c, cu_seqlens_cpu=[0, 4, 10])[0], backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x, cu), L(x, cu_seqlens=cu)[0])
+
+
 # ---- FLA's twin: its naive loop on the arguments `lrdsl bench` gives chunk_gated_delta_product -----
 def fla_naive(name: str, x: dict, h0: torch.Tensor):
     """FLA's naive_recurrent_gated_delta_product on bench.TWINS[name]'s arguments: o, final state."""
