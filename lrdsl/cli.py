@@ -242,6 +242,15 @@ def cmd_show(args) -> int:
 
 def kernels_text(m) -> str:
     """Which kernels `chunk` runs for mixer IR m, and why (the `# kernels` section of `lrdsl show`)."""
+    if m.steps:
+        from lrdsl.codegen.product import sub_ir
+        from lrdsl.frontend import printer
+        sub = sub_ir(m)
+        update = next(line for line in printer.explicit(sub).splitlines() if line.startswith("S = "))
+        first, rest = kernels_text(sub).split("\n", 1)
+        return (f"{first}\n           of the one-step sub-mixer, on {m.n_steps} sub-tokens per token (the {m.n_steps} "
+                f"steps; lrdsl/codegen/product.py):\n           {update}, the log-decay g on the first "
+                "sub-token, o read at the last\n" + rest)
     decode = "recurrent  token by token, one launch (templates/{}recurrent.py.jinja): the decode path\n"
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
@@ -280,8 +289,8 @@ def cmd_check(args) -> int:
     if args.json:
         print(json.dumps(facts, indent=2, sort_keys=True))
     else:
-        from lrdsl.frontend.printer import transition
-        print(f"mixer {m.name}: M_t = {transition(m.ir)}")
+        from lrdsl.frontend.printer import product
+        print(f"mixer {m.name}: M_t = {product(m.ir)}")
         print(explain(facts), end="")
     if args.plot:  # drawn for a refused spec too: that picture says why
         checkplot.draw(m, args.plot)
@@ -304,6 +313,11 @@ def cmd_compile(args) -> int:
         raise SpecError("`lrdsl compile` writes a module of kernels that read S^T x; this readout's S_prev^T and "
                         "dot-product terms run in lrdsl.Mixer around them: use lrdsl.compile(spec) in Python",
                         m.ir.readout_span, m.source, m.filename)
+    if m.ir.steps:
+        from lrdsl.errors import SpecError
+        raise SpecError(f"`lrdsl compile` writes a module of one-step kernels; this spec's {m.ir.n_steps} steps per "
+                        "token run as sub-tokens of such kernels inside lrdsl.Mixer: use lrdsl.compile(spec) in Python",
+                        m.ir.update_span, m.source, m.filename)
     source = generate(m.ir) + FORWARD_ONLY
     path = Path(args.output) / f"{m.name}.py"
     _refuse_shadowing(m.name, path)
