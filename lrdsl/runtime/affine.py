@@ -89,9 +89,12 @@ def wide_run(m, run, x: dict, A, E, aux_in: list) -> tuple:
 
 
 def finish(o_w, V: int, S):
-    """o from the wide run's [o | C] and the incoming states S [n, HV, K, V]: o + C S, in o's dtype
-    (the product in fp32)."""
+    """o from the wide run's [o | C] and the incoming states S [n, HV, K, V]: o + C S, in o's dtype.
+    In bf16 or fp16 the product takes S in that dtype too (fp32 sums), as the kernels' own readout
+    of the state does: fp32 copies of C and o cost more than the whole state pass they shorten."""
     C = o_w[..., V:]
+    if o_w.dtype in (torch.bfloat16, torch.float16):
+        return o_w[..., :V] + torch.einsum("bthk,bhkv->bthv", C, S.to(o_w.dtype))
     return (o_w[..., :V].float() + torch.einsum("bthk,bhkv->bthv", C.float(), S)).to(o_w.dtype)
 
 
