@@ -146,3 +146,19 @@ def test_segments_asked_for_and_refused(compiled, monkeypatch):
     mesa = compiled(ROOT / "examples" / "mesa.lr")  # the offline solve keeps one pass
     xm, _, _ = inputs(mesa, case)
     assert seg.plan(mesa, validated(mesa, xm, None), 2, None) is None
+
+
+def test_a_nan_stays_in_its_sequence(compiled):
+    """A nan in one packed sequence leaves the others as one pass gives them (the scan selects where
+    a sequence starts, it does not multiply by a zero map)."""
+    mixer = compiled(SPECS["gated_deltanet"])
+    case, n = CASES["packed"]
+    x, h0, cu = inputs(mixer, case)
+    x["v"][0, 50, 0, 3] = float("nan")  # in the second sequence's first segment
+    o1, s1 = mixer.chunk(**x, initial_state=h0, cu_seqlens=cu, output_final_state=True, segments=1)
+    o2, s2 = mixer.chunk(**x, initial_state=h0, cu_seqlens=cu, output_final_state=True, segments=n)
+    for a, b in ((0, 40), (200, 300)):  # the first and the last sequence
+        assert o2[:, a:b].isfinite().all() and rms_ratio(o2[:, a:b], o1[:, a:b]) < TOL
+    for i in (0, 2, 3):
+        assert s2[i].isfinite().all() and rms_ratio(s2[i], s1[i]) < TOL
+    assert o2[:, 40:200].isnan().any() == o1[:, 40:200].isnan().any()

@@ -11,9 +11,8 @@ coefficients do not depend on S. The maps come from chunk calls over the pieces:
    incoming state, so that o and the final state are finished by `finish` once S_in is known;
  - `fallback_maps`: otherwise one batched call from 1 + ceil(K/V) starts, and the pieces run again
    from their true incoming states.
-`prefix` composes maps in order; a map with L = 0 (a piece whose sequence starts in it, its own
-initial state already in R) cuts the composition there, so pieces of many sequences compose in one
-scan. Every step is a differentiable torch operation.
+`prefix` composes maps in order; a piece whose sequence starts in it (its own initial state already
+in R) cuts the composition there, so pieces of many sequences compose in one scan. Every step is a differentiable torch operation.
 """
 from __future__ import annotations
 
@@ -117,14 +116,22 @@ def fallback_maps(run, many, A, aux_in: list, through=None) -> tuple:
     return R, L
 
 
-def prefix(L, R, mul=torch.matmul):
+def prefix(L, R, mul=torch.matmul, starts=None):
     """Inclusive prefix compositions of the maps along dim 0 (log-depth, Hillis-Steele): R[j] becomes
-    the state after piece j from the state before piece 0 being 0 (or wherever L cut it), i.e.
-    R_j + L_j (R_{j-1} + L_{j-1} (...)). mul: matmul for S, elementwise for auxiliary states."""
-    d, n = 1, L.shape[0]
+    the state after piece j from the state before the first piece of its run, i.e.
+    R_j + L_j (R_{j-1} + L_{j-1} (...)). starts ([n] bool, None for none): pieces that begin a run
+    (their sequence starts in them), where the composition stops whatever came before (a select, not
+    a product with L = 0: a nan or inf of one sequence stays out of the next). mul: matmul for S,
+    elementwise for auxiliary states."""
+    n = L.shape[0]
+    f = torch.zeros(n, dtype=torch.bool, device=L.device) if starts is None else starts
+    shape = (-1,) + (1,) * (R.dim() - 1)
+    d = 1
     while d < n:
-        R = torch.cat([R[:d], mul(L[d:], R[:-d]) + R[d:]])
+        stop = f[d:].view(shape)
+        R = torch.cat([R[:d], torch.where(stop, R[d:], mul(L[d:], R[:-d]) + R[d:])])
         if 2 * d < n:  # the last round's products of L are never read
-            L = torch.cat([L[:d], mul(L[d:], L[:-d])])
+            L = torch.cat([L[:d], torch.where(stop, L[d:], mul(L[d:], L[:-d]))])
+        f = torch.cat([f[:d], f[d:] | f[:-d]])
         d *= 2
     return R

@@ -398,7 +398,6 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
 def _compose(maps, n_l: int, every: list, rank: int, mul):
     """The state entering this rank from the gathered maps [world, ..., L | R] of the ranks before
     it, composed in rank order; a rank whose carried sequence starts on it (not `through`) cuts the
-    composition (its L taken as 0)."""
-    keep = torch.tensor([float(every[i].through) for i in range(rank)], device=maps.device, dtype=maps.dtype)
-    keep = keep.view(-1, *[1] * (maps.dim() - 1))
-    return prefix(maps[:rank, ..., :n_l] * keep, maps[:rank, ..., n_l:], mul)[-1]
+    composition."""
+    starts = torch.tensor([not every[i].through for i in range(rank)], device=maps.device)
+    return prefix(maps[:rank, ..., :n_l], maps[:rank, ..., n_l:], mul, starts)[-1]

@@ -165,7 +165,8 @@ def chunk(mixer, batch, c: Cut):
         return (o, fin.S, [fin.aux[a] for a in names]) if names else (o, fin, [])
 
     # each segment's own start: the sequence's initial state where it begins it, else zero
-    through = torch.tensor([float(t) for t in c.through], **f32)
+    through = torch.tensor(c.through, device=dev)
+    starts = ~through
     firsts = torch.tensor([i for i, t in enumerate(c.through) if not t], device=dev)
     lasts = torch.tensor(c.lasts, device=dev)
     A = torch.zeros(n, HV, K, V, **f32)
@@ -179,22 +180,22 @@ def chunk(mixer, batch, c: Cut):
         return torch.cat([torch.zeros_like(X[:1]), X[:-1]])
 
     def gate(X):  # X where the segment continues its sequence, zero where it starts one
-        return X * through.view(-1, *[1] * (X.dim() - 1))
+        return torch.where(through.view(-1, *[1] * (X.dim() - 1)), X, torch.zeros((), dtype=X.dtype, device=dev))
 
     aux_in = []
     if names:  # 1. the auxiliary states entering every segment
         l, r = aux_maps(m, run, many(x, 2), A_aux, [a + gate(torch.ones_like(a)) for a in A_aux])
-        aux_in = [a + gate(shifted(prefix(li, ri, torch.mul))) for a, li, ri in zip(A_aux, l, r)]
+        aux_in = [a + gate(shifted(prefix(li, ri, torch.mul, starts))) for a, li, ri in zip(A_aux, l, r)]
 
     if widens(m):  # 2. one wide run: o from each own start, the maps and the readouts of S_in
         E = gate(torch.eye(K, **f32).expand(n, HV, K, K))
         o_w, R, L, aux_f = wide_run(m, run, x, A, E, aux_in)
-        S_out = prefix(L, R)
+        S_out = prefix(L, R, starts=starts)
         S_in = gate(shifted(S_out))
         o = finish(o_w, V, S_in) if width else _finish_packed(o_w, V, S_in, c, total)
     else:  # 2'. the maps from identity-like starts, then every segment from its true incoming state
         R, L = fallback_maps(run, lambda k: many(x, k), A, aux_in, through)
-        o, S_out, aux_f = run(x, A + gate(shifted(prefix(L, R))), aux_in)
+        o, S_out, aux_f = run(x, A + gate(shifted(prefix(L, R, starts=starts))), aux_in)
     o = o.reshape(B, T, HV, V)
     if not batch.output_final_state:
         return o, None
