@@ -160,15 +160,15 @@ def chunk(mixer, batch, c: Cut):
         if cu is not None:
             offs = [o + r * total for r in range(S.shape[0] // n) for o in cu[:-1]] + [S.shape[0] // n * total]
         o, fin = mixer.chunk(**x, scale=batch.scale, initial_state=h0, output_final_state=True,
-                             cu_seqlens=None if offs is None else torch.tensor(offs, device=dev),
+                             cu_seqlens=None if offs is None else _put(tuple(offs), dev),
                              cu_seqlens_cpu=offs, segments=1)
         return (o, fin.S, [fin.aux[a] for a in names]) if names else (o, fin, [])
 
     # each segment's own start: the sequence's initial state where it begins it, else zero
-    through = torch.tensor(c.through, device=dev)
+    through = _put(c.through, dev)
     starts = ~through
-    firsts = torch.tensor([i for i, t in enumerate(c.through) if not t], device=dev)
-    lasts = torch.tensor(c.lasts, device=dev)
+    firsts = _put(tuple(i for i, t in enumerate(c.through) if not t), dev)
+    lasts = _put(c.lasts, dev)
     A = torch.zeros(n, HV, K, V, **f32)
     if batch.initial_state is not None:
         A = A.index_copy(0, firsts, batch.initial_state.float())
@@ -208,13 +208,35 @@ def chunk(mixer, batch, c: Cut):
 def _finish_packed(o_w, V: int, S_in, c: Cut, total: int):
     """finish for packed segments: o_w [1, total, HV, V + K] laid out as a batch [n, longest] (zero
     padding), finished, and its tokens taken back in order."""
+    pad, back = _packed_rows(c, total, o_w.device)
+    rows = torch.cat([o_w[0], torch.zeros_like(o_w[0, :1])])
+    o = finish(rows[pad], V, S_in)
+    return o.reshape(-1, *o.shape[2:])[back][None]
+
+
+@functools.lru_cache(maxsize=8)  # two int64 per token: a few calls' worth
+def _packed_rows(c: Cut, total: int, device) -> tuple:
+    """(each segment's tokens as rows [n, longest] of the packed tokens, `total` past a segment's end;
+    each token's row in that batch)."""
     starts = torch.tensor([s for s, _ in c.bounds])
     lens = torch.tensor([e - s for s, e in c.bounds])
     width = int(lens.max())
     pos = torch.arange(width)
-    pad = torch.where(pos < lens[:, None], starts[:, None] + pos, total)  # [n, width]; total: a zero row
+    pad = torch.where(pos < lens[:, None], starts[:, None] + pos, total)
     seg = torch.repeat_interleave(torch.arange(len(c.bounds)), lens)
-    back = seg * width + torch.arange(total) - starts[seg]  # each token's row in the batch
-    rows = torch.cat([o_w[0], torch.zeros_like(o_w[0, :1])])
-    o = finish(rows[pad.to(o_w.device)], V, S_in)
-    return o.reshape(-1, *o.shape[2:])[back.to(o_w.device)][None]
+    back = seg * width + torch.arange(total) - starts[seg]
+    return _to(pad, device), _to(back, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _put(values: tuple, device):
+    """values as a tensor on the device, made once per (values, device): later calls copy nothing."""
+    return _to(torch.tensor(values), device)
+
+
+def _to(t, device):
+    """A host tensor on the device without waiting for it: a copy from pageable memory would wait for
+    the device's queue (a host synchronisation); from pinned memory it does not."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
