@@ -123,8 +123,10 @@ def plan(mixer, batch, segments, offsets) -> Cut | None:
     offsets = [int(o) for o in offsets]
     longest = max(b - a for a, b in zip(offsets, offsets[1:]))
     if n is None:
-        n = count(len(offsets) - 1, batch.HV, -(-batch.V // NOMINAL_BV), longest, sm_count(q.device.index or 0))
-    length = -(-(-(-longest // n)) // ALIGN) * ALIGN
+        n = count(len(offsets) - 1, batch.HV, -(-batch.V // NOMINAL_BV), longest,
+                  sm_count(torch.cuda.current_device() if q.device.index is None else q.device.index))
+    per = -(-longest // n)  # ceil: the longest sequence in at most n segments
+    length = -(-per // ALIGN) * ALIGN
     if n <= 1 or length >= longest:
         return None
     return cut(offsets, length)
