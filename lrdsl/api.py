@@ -253,7 +253,8 @@ class Mixer:
 
         segments: cut the longest sequence into this many segments (64-token multiples) that run
         side by side and compose their maps of the state (lrdsl/runtime/segments.py); 1 runs one
-        pass; None takes LRDSL_SEGMENTS, else the schedule's choice on a GPU (one pass on the CPU).
+        pass; None takes LRDSL_SEGMENTS, else the schedule's choice on a GPU (one pass on the CPU and
+        under torch.compile).
 
         cp_group (a torch.distributed process group): context parallelism. Each rank passes its
         contiguous slice of the tokens and the global initial_state and cu_seqlens; see lrdsl/cp.py."""

@@ -101,13 +101,13 @@ def _asked(segments) -> int | None:
 
 def plan(mixer, batch, segments, offsets) -> Cut | None:
     """The segments this chunk call runs over, or None for one pass: asked for (segments=, else
-    LRDSL_SEGMENTS) or chosen by `count` on a GPU; never for an offline solve or auxiliary states
+    LRDSL_SEGMENTS) or chosen by `count` on a GPU outside torch.compile; never for an offline solve or auxiliary states
     updated from one another (the maps do not hold), nor for packed sequences whose offsets only the
     device has."""
     n = _asked(segments)
     q = batch.tensors["q"]
-    if n is None and q.device.type != "cuda":
-        return None
+    if n is None and (q.device.type != "cuda" or torch.compiler.is_compiling()):
+        return None  # under torch.compile the call stays one custom op unless segments are asked for
     m = mixer.ir
     if n == 1 or m.solve_lam is not None:
         return None
