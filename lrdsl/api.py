@@ -275,11 +275,16 @@ class Mixer:
         return o
 
     def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, cp_group=None, cu_seqlens_cpu=None, **inputs):
+              cu_seqlens=None, cp_group=None, cu_seqlens_cpu=None, segments=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference.
 
         cu_seqlens_cpu: the offsets of cu_seqlens as a list of ints, checked instead of reading
         cu_seqlens back from the device (under torch.compile such a read is a graph break).
+
+        segments: cut the longest sequence into this many segments (64-token multiples) that run
+        side by side and compose their maps of the state (lrdsl/runtime/segments.py); 1 runs one
+        pass; None takes LRDSL_SEGMENTS, else the schedule's choice on a GPU (one pass on the CPU and
+        under torch.compile).
 
         cp_group (a torch.distributed process group): context parallelism. Each rank passes its
         contiguous slice of the tokens and the global initial_state and cu_seqlens; see lrdsl/cp.py."""
@@ -287,7 +292,7 @@ class Mixer:
             # Triton's interpreter computes tl.dot on bf16 operands wrongly and silently
             # (triton#11584), so on the CPU the kernels run on fp32 copies; o comes back in v's dtype
             o, final = self.chunk(*map(_fp32_if_bf16, (q, k, v)), scale, _fp32_if_bf16(initial_state),
-                                  output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu,
+                                  output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu, segments,
                                   **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
             return o.to(v.dtype), final
         if self.ir.steps:
@@ -306,6 +311,11 @@ class Mixer:
                             cp_group)
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                offsets=cu_seqlens_cpu)
+        if type(segments) is not int or segments != 1:  # 1 (not True): one pass without a look
+            from lrdsl.runtime import segments as seg
+            cut = seg.plan(self, batch, segments, cu_seqlens_cpu)
+            if cut is not None:
+                return seg.chunk(self, batch, cut)
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
@@ -333,6 +343,8 @@ class Mixer:
         core, prev, shifted = self._parts
         t, cu = dict(batch.tensors), batch.cu_seqlens
         opts = dict(scale=batch.scale, initial_state=initial_state, cu_seqlens=cu)
+        if method == "chunk":  # the segments, if any, were cut before the parts
+            opts["segments"] = 1
         if offsets is not None:  # chunk's host-side offsets, read by each part instead of cu_seqlens
             opts["cu_seqlens_cpu"] = offsets
         o = final = None
@@ -464,7 +476,8 @@ class Mixer:
         q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
         t[self.split.ir.inputs[-1].name] = phases(batch.B, batch.T, batch.H, q)
         cu = None if batch.cu_seqlens is None else 2 * batch.cu_seqlens
-        o, final = self.split.chunk(q, k, v, batch.scale, batch.initial_state, batch.output_final_state, cu, **t)
+        o, final = self.split.chunk(q, k, v, batch.scale, batch.initial_state, batch.output_final_state, cu,
+                                    segments=1, **t)
         return o[:, 1::2].contiguous(), final
 
     def _final(self, batch, S, aux):
