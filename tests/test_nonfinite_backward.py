@@ -126,9 +126,10 @@ def test_overflowing_key_leaves_earlier_dq_of_the_general_backward(decay, semant
 
 
 def test_a_clean_batch_takes_the_backward_as_given(monkeypatch):
-    """No non-finite entry: the backward runs on the call's own tensors and the forward's kept
-    intermediates (no copies), one check of the inputs."""
+    """The host-checked guard (MODE "host"): no non-finite entry, so the backward runs on the call's
+    own tensors and the forward's kept intermediates (no copies), one check of the inputs."""
     from lrdsl.runtime import nonfinite
+    monkeypatch.setattr(nonfinite, "MODE", "host")
     calls = []
     monkeypatch.setattr(nonfinite, "finite_copies", lambda *a: calls.append(a))
     mixer = lrdsl.compile(spec_path("gated_deltanet"), keep_intermediates=True)
@@ -137,6 +138,25 @@ def test_a_clean_batch_takes_the_backward_as_given(monkeypatch):
     x["beta"][0, 6] = math.inf  # clamped into (0, 1)
     g = gradients(mixer.chunk, x, opts, torch.float32, torch.ones(1, 20, 1, 16, device=DEVICE))
     assert not calls and all(torch.isfinite(t).all() for t in g.values())
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_device_guard_leaves_a_clean_batch_as_the_host_guard(keep, monkeypatch):
+    """The guard on the device (MODE "device", the default: finite copies, the kept intermediates'
+    non-finite entries zeroed, nan put back) gives a clean batch, resets and clamped infinities among
+    it, the very gradients the host-checked one gives (which takes the call's own tensors)."""
+    from lrdsl.runtime import nonfinite
+    mixer = lrdsl.compile(spec_path("gated_deltanet"), keep_intermediates=keep)
+    x, opts = draw_inputs(mixer, Case(B=1, T=70, H=1, HV=1, K=16, V=16, initial_state=True, seed=8), DEVICE)
+    x["g"][0, 5] = -math.inf  # a reset, floored by the kernels: not a bad entry
+    x["beta"][0, 66] = math.inf  # clamped into (0, 1)
+    do = torch.randn(1, 70, 1, 16, device=DEVICE)
+    got = {}
+    for mode in ("host", "device"):
+        monkeypatch.setattr(nonfinite, "MODE", mode)
+        got[mode] = gradients(mixer.chunk, x, opts, torch.float32, do)
+    for n, g in got["host"].items():
+        assert torch.isfinite(g).all() and torch.equal(got["device"][n], g), n
 
 
 @pytest.mark.parametrize("mixer_id", ["gated_deltanet-general", pytest.param("mesa", marks=pytest.mark.slow)])

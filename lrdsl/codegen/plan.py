@@ -53,7 +53,7 @@ class Raw:
 @dataclass(frozen=True)
 class Aux:
     """One auxiliary state of the spec (P_t = alpha_t P_{t-1} + beta_t) and the names the kernels
-    give it, all made from its validated name: the pointer prefixes ("aux_", "auxin_", "auxout_")
+    give it, all made from its validated name: the pointer prefixes ("aux_", "auxin_", "auxout_", "auxall_")
     differ in their fourth letter, so no two names of two states meet."""
     name: str  # the spec's name of the state
     kind: str  # "K" | "V"
@@ -79,6 +79,11 @@ class Aux:
     @property
     def final_ptr(self) -> str:
         return f"auxout_{self.name}_ptr"
+
+    @property
+    def all_ptr(self) -> str:
+        """Its value after every token (the recurrent kernel's, for a multi-token step)."""
+        return f"auxall_{self.name}_ptr"
 
     @property
     def chunked(self) -> bool:

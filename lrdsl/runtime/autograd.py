@@ -211,6 +211,15 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     part is empty); dfinal_aux: the gradients of the auxiliary final states (None for zero).
     Inputs with non-finite entries: the backward of their finite copies (runtime/nonfinite.py), nan
     at those entries."""
+    if nonfinite.MODE == "device":  # no wait for the device (runtime/nonfinite.py)
+        finite = nonfinite.device_copies(mixer_ir, names, tensors)
+        by_name = dict(zip(names, finite))
+        order = getattr(module, "INPUTS", ())
+        kept = nonfinite.finite_kept(saved, [by_name[n] for n in order] if all(n in by_name for n in order) else None)
+        grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, finite, h0, do, dht, needs,
+                                        kept, nonfinite.finite_kept(residual),
+                                        initial_aux, dfinal_aux)
+        return nonfinite.device_nan_at(mixer_ir, names, tensors, grads), dh0, daux
     masks = nonfinite.bad_entries(mixer_ir, names, tensors)
     if masks is None:
         return _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved, residual,

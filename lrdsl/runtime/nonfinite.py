@@ -10,14 +10,22 @@ backward runs on finite copies of the inputs: each entry that the kernels would 
 is replaced by a finite value inside its declared range, and its own gradient is nan (it has none).
 Every other gradient is then that of the loss on the outputs the forward left finite.
 
-The check is one reduction per input and one wait for the device per backward; only a batch with a
-bad entry pays for the masks and copies.
+Two ways to find the bad entries (MODE). "device", the default: every backward takes the finite copies
+(one torch.nan_to_num pass per input) and puts nan back into the gradients on the device (one pass per
+gradient), and what the forward kept for the backward (the solve's residual, the kept intermediates) has
+its non-finite entries zeroed: they sit at or after a bad token, where the loss's gradient is zero, so
+any finite value serves. No wait for the device: a training step can be captured in a CUDA graph, and
+the host queues the backward while the forward runs. "host": one reduction per input and one wait for
+the device per backward; only a batch with a bad entry pays for the masks and copies, and it recomputes
+what the forward kept (the behaviour before 2026-12-06).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+MODE = "device"  # "device": no host synchronisation; "host": a check read back once per backward
 
 
 def _fill(i) -> float:
@@ -78,3 +86,61 @@ def finite_copies(mixer_ir, names, tensors, masks) -> list:
 def nan_at(grads, masks) -> list:
     """The inputs' gradients (None where not asked for) with nan at each bad entry."""
     return [g if g is None or m is None else g.masked_fill(m, math.nan) for g, m in zip(grads, masks)]
+
+
+def _bad_ends(i) -> tuple:
+    """(+inf is bad, -inf is bad) for input i (_bad's rule: a clamp into a finite end makes that
+    infinity finite, and -inf in a log-decay is a reset)."""
+    clamped = i.clamped
+    return not (clamped and i.hi.is_finite), not (clamped and i.lo.is_finite) and not i.log
+
+
+def device_copies(mixer_ir, names, tensors) -> list:
+    """The inputs with every bad entry replaced by a finite value in range, on the device with no
+    check read back (one pass each; a clean tensor comes back equal)."""
+    spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    out = []
+    for n, t in zip(names, tensors):
+        if n not in spec or not t.is_floating_point():
+            out.append(t)
+            continue
+        fill = _fill(spec[n])
+        pos, neg = _bad_ends(spec[n])
+        out.append(torch.nan_to_num(t, nan=fill, posinf=fill if pos else math.inf, neginf=fill if neg else -math.inf))
+    return out
+
+
+def device_nan_at(mixer_ir, names, tensors, grads) -> list:
+    """The gradients (None where not asked for) with nan at each bad entry of their input, on the device."""
+    spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    out = []
+    for n, t, g in zip(names, tensors, grads):
+        if g is None or n not in spec or not t.is_floating_point():
+            out.append(g)
+        elif all(_bad_ends(spec[n])):  # every non-finite entry is bad: g + 0 * t is nan exactly there
+            out.append(torch.add(g, t.to(g.dtype), alpha=0))
+        else:
+            out.append(g.masked_fill(_bad(spec[n], t), math.nan))
+    return out
+
+
+def finite_kept(x, copies=None):
+    """What the forward kept for the backward, its non-finite entries zeroed (None stays None). The
+    staged forward's "args" begin with the raw inputs (module.INPUTS order), where an infinity may be
+    meant (a reset, a clamp): those are given instead as `copies` (device_copies', in that order)."""
+    if isinstance(x, dict) and "args" in x and copies is None:
+        return None  # the raw inputs cannot be told from the rest: the backward recomputes it all
+    if isinstance(x, dict) and "args" in x:
+        args = list(x["args"])
+        args[:len(copies)] = [c.contiguous() for c in copies]
+        args[len(copies):] = finite_kept(args[len(copies):])
+        return dict(finite_kept({k: v for k, v in x.items() if k != "args"}), args=args)
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if x.is_floating_point() else x
+    if isinstance(x, dict):
+        return {k: finite_kept(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(finite_kept(v) for v in x)
+    return x
