@@ -223,7 +223,8 @@ def cmd_bench(args) -> int:
             print(f"[{i + 1}/{len(args.spec)}] {path}: compiling, tuning, timing", file=sys.stderr, flush=True)
             backward = args.backward or args.keep_intermediates
             row = bench.bench(compile(path), shape, backward, args.fla,
-                              log=lambda s: print(s, file=sys.stderr, flush=True), per_kernel=args.per_kernel)
+                              log=lambda s: print(s, file=sys.stderr, flush=True),
+                              **({"per_kernel": True} if args.per_kernel else {}))
             print(bench.table_row(row, peak), flush=True)
             if args.per_kernel:
                 kernels.append(bench.kernel_tables(row))

@@ -98,6 +98,10 @@ class Tuning:
     hard-code them). Measurements behind the defaults: docs/kernels/host.md."""
     recurrent_bv: int = 32
     recurrent_warps: int = 1
+    # few sequences (decoding at small B): value tiles halve down to recurrent_min_bv while the launch
+    # has fewer than recurrent_min_programs programs (not measured yet: benchmarks/device/decode.sh)
+    recurrent_min_bv: int = 8
+    recurrent_min_programs: int = 256
     chunk_size: int = 64  # BT; 16 for per-channel decays, whose pairwise terms are built elementwise
     chunk_size_wide_k: int = 16  # BT when K > wide_k: [BT, K] fp32 dot operands must fit in shared memory
     wide_k: int = 128
@@ -266,6 +270,8 @@ class Plan:
     decay_grad_from_vectors = _route_flag("decay_grad_from_vectors")
     recurrent_bv = _tuning("recurrent_bv")
     recurrent_warps = _tuning("recurrent_warps")
+    recurrent_min_bv = _tuning("recurrent_min_bv")
+    recurrent_min_programs = _tuning("recurrent_min_programs")
     chunk_size = _tuning("chunk_size")
     chunk_size_wide_k = _tuning("chunk_size_wide_k")
     wide_k = _tuning("wide_k")
