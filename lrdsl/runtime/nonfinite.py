@@ -11,11 +11,13 @@ is replaced by a finite value inside its declared range, and its own gradient is
 Every other gradient is then that of the loss on the outputs the forward left finite.
 
 Two ways to find the bad entries (MODE). "device", the default: every backward takes the finite copies
-(one torch.nan_to_num pass per input) and puts nan back into the gradients on the device (one pass per
-gradient), and what the forward kept for the backward (the solve's residual, the kept intermediates) has
-its non-finite entries zeroed: they sit at or after a bad token, where the loss's gradient is zero, so
-any finite value serves. No wait for the device: a training step can be captured in a CUDA graph, and
-the host queues the backward while the forward runs. "host": one reduction per input and one wait for
+(one torch.nan_to_num pass per input), and what the forward kept for the backward (the solve's
+residual, the kept intermediates) has its non-finite entries zeroed: they sit at or after a bad token,
+where the loss's gradient is zero, so any finite value serves. The gradients get nan at the bad
+entries from a Triton kernel whose programs do nothing where the device-side flag of their input
+(the same one reduction per input) says it is clean, and the residual is zeroed in place so too. No
+wait for the device: a training step can be captured in a CUDA graph, and the host queues the
+backward while the forward runs. "host": one reduction per input and one wait for
 the device per backward; only a batch with a bad entry pays for the masks and copies, and it recomputes
 what the forward kept (the behaviour before 2026-12-06).
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 MODE = "device"  # "device": no host synchronisation; "host": a check read back once per backward
 
@@ -110,18 +114,70 @@ def device_copies(mixer_ir, names, tensors) -> list:
     return out
 
 
-def device_nan_at(mixer_ir, names, tensors, grads) -> list:
-    """The gradients (None where not asked for) with nan at each bad entry of their input, on the device."""
+BLOCK = 1024  # elements per program of the two kernels below
+
+
+@triton.jit
+def _nan_at_bad_kernel(g_ptr, x_ptr, flag_ptr, n, POS: tl.constexpr, NEG: tl.constexpr, BLOCK: tl.constexpr):
+    # in place: g = nan where x is bad (nan; +inf with POS; -inf with NEG); nothing read or written
+    # where x's flag says it has no non-finite entry
+    if tl.load(flag_ptr) != 0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        bad = x != x
+        if POS:
+            bad = bad | (x == float("inf"))
+        if NEG:
+            bad = bad | (x == float("-inf"))
+        tl.store(g_ptr + offs, tl.full([BLOCK], float("nan"), tl.float32).to(g_ptr.dtype.element_ty), mask=m & bad)
+
+
+@triton.jit
+def _zero_nonfinite_kernel(x_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+    # in place: x = 0 where it is not finite, where the flag says some input has a non-finite entry
+    if tl.load(flag_ptr) != 0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        bad = (x != x) | (x == float("inf")) | (x == float("-inf"))
+        tl.store(x_ptr + offs, tl.zeros([BLOCK], tl.float32).to(x_ptr.dtype.element_ty), mask=m & bad)
+
+
+def _launch_blocks(n: int) -> tuple:
+    return (max(1, triton.cdiv(n, BLOCK)),)
+
+
+def flags(tensors) -> list:
+    """Per tensor a 0-dim int32 on its device: 1 where it has a nan or an infinite entry (None for a
+    tensor that is not floating point); no read back."""
+    return [_maybe_bad(t).to(torch.int32) if t.is_floating_point() else None for t in tensors]
+
+
+def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
+    """The gradients (None where not asked for) with nan at each bad entry of their input, on the device
+    (in place: they are this backward's own); bad_flags: flags(tensors)."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
     out = []
-    for n, t, g in zip(names, tensors, grads):
-        if g is None or n not in spec or not t.is_floating_point():
+    for n, t, g, f in zip(names, tensors, grads, bad_flags):
+        if g is None or n not in spec or f is None:
             out.append(g)
-        elif all(_bad_ends(spec[n])):  # every non-finite entry is bad: g + 0 * t is nan exactly there
-            out.append(torch.add(g, t.to(g.dtype), alpha=0))
-        else:
+            continue
+        pos, neg = _bad_ends(spec[n])
+        if g.shape != t.shape or not g.is_contiguous() or not g.numel():
             out.append(g.masked_fill(_bad(spec[n], t), math.nan))
+            continue
+        _nan_at_bad_kernel[_launch_blocks(g.numel())](g, t.contiguous(), f, g.numel(), POS=pos, NEG=neg, BLOCK=BLOCK)
+        out.append(g)
     return out
+
+
+def zero_nonfinite_(x, flag):
+    """x (a contiguous tensor this backward owns, or None) with its non-finite entries zeroed in place
+    where flag (0-dim int32) is set; returned."""
+    if x is not None and x.numel():
+        _zero_nonfinite_kernel[_launch_blocks(x.numel())](x, flag, x.numel(), BLOCK=BLOCK)
+    return x
 
 
 def finite_kept(x, copies=None):
