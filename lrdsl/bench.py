@@ -409,6 +409,7 @@ def kernel_tables(r: dict) -> str:
 
 # ---- decode: one token per sequence through step, inside a CUDA graph ----------------------------
 DECODE_BATCHES = (1, 8, 64, 256)
+VERIFY_T = 4  # tokens of the verification step decode_row also times
 # example name -> (FLA's fused recurrent op, its arguments from the inputs); each gets the state as
 # initial_state and returns the new one (output_final_state=True), as a decoder calls it
 _QKV = ("q", "k", "v")
@@ -442,26 +443,37 @@ def graphed(f, warmup: int = 3):
     return graph.replay
 
 
-def decode_row(mixer, B: int, H: int = 16, K: int = 128, V: int = 128, with_twin: bool = True) -> dict:
+def decode_row(mixer, B: int, H: int = 16, K: int = 128, V: int = 128, with_twin: bool = True,
+               device: str = "cuda") -> dict:
     """ms per decoded token (one step of B sequences at T = 1, bf16 inputs, the fp32 state updated in
     place, o into a buffer) of lrdsl's step and of FLA's fused recurrent twin: do_bench's median of a
     CUDA graph's replay, and of the eager call (wall clock, host time included)."""
     from triton.testing import do_bench
     s = Shape(B, 1, H, K, V)
-    x = draw(mixer, s, seed=B)
+    x = draw(mixer, s, device=device, seed=B)
     row = {"mixer": mixer.name, "B": B, "H": H, "K": K, "V": V}
-    state = mixer.zero_state(B, H, K, V, device="cuda")
-    out = torch.empty(B, 1, H, V, dtype=x["v"].dtype, device="cuda")
+    state = mixer.zero_state(B, H, K, V, device=device)
+    out = torch.empty(B, 1, H, V, dtype=x["v"].dtype, device=device)
     with torch.no_grad():
         def step():
             mixer.step(**x, state=state, out=out)
         row["lrdsl_eager_ms"] = do_bench(step, warmup=25, rep=100, return_mode="median")
         row["lrdsl_ms"] = do_bench(graphed(step), warmup=25, rep=100, return_mode="median")
+        # speculative decoding's verification: VERIFY_T tokens keeping every state, then a rollback
+        # of each sequence to half of them
+        xv = draw(mixer, Shape(B, VERIFY_T, H, K, V), device=device, seed=B + 1)
+        out_v = torch.empty(B, VERIFY_T, H, V, dtype=x["v"].dtype, device=device)
+        keep = torch.full((B,), VERIFY_T // 2, dtype=torch.int64, device=device)
+
+        def verify():
+            _, every = mixer.step(**xv, state=state, out=out_v, return_states=True)
+            mixer.accept(state, every, keep)
+        row["lrdsl_verify_ms"] = do_bench(graphed(verify), warmup=25, rep=100, return_mode="median")
         if with_twin and mixer.name in DECODE_TWINS:
             name, args = DECODE_TWINS[mixer.name]
             row["twin"] = name
             try:
-                op, h = _fla(name), torch.zeros(B, H, K, V, dtype=torch.float32, device="cuda")
+                op, h = _fla(name), torch.zeros(B, H, K, V, dtype=torch.float32, device=device)
 
                 def fla_step():
                     op(**args(x), initial_state=h, output_final_state=True)
@@ -473,7 +485,7 @@ def decode_row(mixer, B: int, H: int = 16, K: int = 128, V: int = 128, with_twin
 
 
 _DECODE_HEAD = ("| mixer | B | H,K,V | lrdsl us/token (graph) | FLA us/token (graph) | FLA/lrdsl (graph) "
-                "| lrdsl us (eager) | FLA us (eager) | FLA op |")
+                "| lrdsl us (eager) | FLA us (eager) | lrdsl T=4 verify + accept us (graph) | FLA op |")
 
 
 def decode_table_head() -> str:
@@ -487,5 +499,5 @@ def decode_table_row(r: dict) -> str:
         return f"{r[k] * 1e3:.1f}" if k in r else "-"
     ratio = f"{r['fla_ms'] / r['lrdsl_ms']:.2f}" if "fla_ms" in r else "-"
     return (f"| {r['mixer']} | {r['B']} | {r['H']},{r['K']},{r['V']} | {us('lrdsl_ms')} | {us('fla_ms')} | {ratio} "
-            f"| {us('lrdsl_eager_ms')} | {us('fla_eager_ms')} | {r.get('twin', '-')}"
+            f"| {us('lrdsl_eager_ms')} | {us('fla_eager_ms')} | {us('lrdsl_verify_ms')} | {r.get('twin', '-')}"
             + (f" ({r['fla_error']})" if "fla_error" in r else "") + " |")

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from specgen import kernel_examples
 from test_recurrent import DEVICE, state_parts
 
 import lrdsl
@@ -134,7 +135,11 @@ def no_host_reads():
             setattr(torch.Tensor, name, f)
 
 
-@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "gdn2_atk"])
+NO_READS = ["gated_deltanet", "kda", "gdn2_atk"]  # pytest -q; every other example with -m slow
+
+
+@pytest.mark.parametrize("name", NO_READS + [pytest.param(p.stem, marks=pytest.mark.slow) for p in kernel_examples()
+                                             if p.stem not in NO_READS])
 def test_chunk_forward_and_backward_read_nothing_back(name, compiled):
     """The default batched path of chunk (no cu_seqlens, keep_intermediates off), forward and
     backward of every input and the initial state, with nothing read back; the non-finite guard

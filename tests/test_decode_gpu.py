@@ -146,5 +146,5 @@ def test_decode_bench_row_times_both():
     from lrdsl.bench import decode_row
     mixer = lrdsl.compile(os.path.join(EXAMPLES, "gated_deltanet.lr"))
     r = decode_row(mixer, 8, 4, 64, 64)
-    assert 0 < r["lrdsl_ms"] and 0 < r["lrdsl_eager_ms"]
+    assert 0 < r["lrdsl_ms"] and 0 < r["lrdsl_eager_ms"] and 0 < r["lrdsl_verify_ms"]
     assert "fla_error" in r or (0 < r["fla_ms"] and 0 < r["fla_eager_ms"])

@@ -98,9 +98,9 @@ def test_kernel_table_shares():
 
 def test_decode_table_row():
     r = {"mixer": "kda", "B": 64, "H": 16, "K": 128, "V": 128, "lrdsl_ms": 0.02, "fla_ms": 0.03,
-         "lrdsl_eager_ms": 0.05, "fla_eager_ms": 0.08, "twin": "kda.fused_recurrent_kda"}
+         "lrdsl_eager_ms": 0.05, "fla_eager_ms": 0.08, "lrdsl_verify_ms": 0.04, "twin": "kda.fused_recurrent_kda"}
     line = bench.decode_table_row(r)
-    assert line == "| kda | 64 | 16,128,128 | 20.0 | 30.0 | 1.50 | 50.0 | 80.0 | kda.fused_recurrent_kda |"
+    assert line == "| kda | 64 | 16,128,128 | 20.0 | 30.0 | 1.50 | 50.0 | 80.0 | 40.0 | kda.fused_recurrent_kda |"
     assert line.count("|") == bench.decode_table_head().splitlines()[0].count("|")
 
 
@@ -111,3 +111,23 @@ def test_bench_decode_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "--decode", "examples/gated_deltanet.lr"]) == 1
     assert capsys.readouterr().err.strip() == "lrdsl: error: lrdsl bench times GPU kernels, and torch sees no CUDA device"
+
+
+def test_decode_row_steps_verifies_and_rolls_back(monkeypatch):
+    """decode_row's calls on the CPU (the graph and the timer replaced by plain calls): the one-token
+    step and the verification step with its rollback run and move the state, each timed."""
+    import torch
+    import triton.testing
+
+    calls = []
+    monkeypatch.setattr(bench, "graphed", lambda f: f)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda f, **kw: calls.append(f() or 1) or 0.001 * len(calls))
+    mixer = lrdsl.compile("examples/gated_deltanet.lr")
+    steps = []
+    real = mixer.step
+    monkeypatch.setattr(mixer, "step", lambda *a, **kw: steps.append(kw["state"].clone()) or real(*a, **kw))
+    r = bench.decode_row(mixer, 2, 2, 16, 16, with_twin=False, device="cpu")
+    assert (r["lrdsl_eager_ms"], r["lrdsl_ms"], r["lrdsl_verify_ms"]) == (0.001, 0.002, 0.003)
+    # the state each step found: zeros, then moved by the one-token step, then by the second one
+    assert "fla_ms" not in r and len(steps) == 3 and not steps[0].any() and steps[1].any()
+    assert not torch.equal(steps[1], steps[2])
