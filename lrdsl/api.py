@@ -251,10 +251,14 @@ class Mixer:
         if not aux:
             o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state, out=out,
                                               all_states=S_all)
+        elif aux_all is not None:  # the auxiliary states after the last token are in the per-token ones
+            o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state,
+                                              initial_aux=aux, out=out, all_states=S_all, all_aux=aux_all)
+            for a, every_a in zip(aux, aux_all):
+                a.copy_(every_a[:, -1])
         else:
             o, _, new = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state,
-                                                   initial_aux=aux, final_aux=True, out=out, all_states=S_all,
-                                                   all_aux=aux_all)
+                                                   initial_aux=aux, final_aux=True, out=out)
             for a, n in zip(aux, new):  # the K-wide states are read by every value tile: written after
                 a.copy_(n)
         return (o, every) if return_states else o
