@@ -213,12 +213,11 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     at those entries. residual_owned: no one but this backward reads `residual` (ChunkFunction's; the
     custom op's is an output of its forward), so it may be changed in place."""
     if nonfinite.MODE == "device":  # no wait for the device (runtime/nonfinite.py)
-        finite = nonfinite.device_copies(mixer_ir, names, tensors)
+        finite, bad = nonfinite.device_copies(mixer_ir, names, tensors)
         by_name = dict(zip(names, finite))
         order = getattr(module, "INPUTS", ())
         kept = nonfinite.finite_kept(saved, [by_name[n] for n in order] if all(n in by_name for n in order) else None)
-        bad = nonfinite.flags(tensors)
-        if residual_owned and residual is not None and residual.is_contiguous():
+        if residual_owned and residual is not None and residual.is_contiguous() and any(f is not None for f in bad):
             residual = nonfinite.zero_nonfinite_(residual, torch.stack([f for f in bad if f is not None]).amax())
         else:
             residual = nonfinite.finite_kept(residual)

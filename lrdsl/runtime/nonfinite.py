@@ -10,14 +10,14 @@ backward runs on finite copies of the inputs: each entry that the kernels would 
 is replaced by a finite value inside its declared range, and its own gradient is nan (it has none).
 Every other gradient is then that of the loss on the outputs the forward left finite.
 
-Two ways to find the bad entries (MODE). "device", the default: every backward takes the finite copies
-(one torch.nan_to_num pass per input), and what the forward kept for the backward (the solve's
-residual, the kept intermediates) has its non-finite entries zeroed: they sit at or after a bad token,
-where the loss's gradient is zero, so any finite value serves. The gradients get nan at the bad
-entries from a Triton kernel whose programs do nothing where the device-side flag of their input
-(the same one reduction per input) says it is clean, and the residual is zeroed in place so too. No
-wait for the device: a training step can be captured in a CUDA graph, and the host queues the
-backward while the forward runs. "host": one reduction per input and one wait for
+Two ways to find the bad entries (MODE). "device", the default: every backward takes the finite copies,
+made by one Triton pass over each input that also sets the input's flag on the device where it has a
+nan or an infinite entry; what the forward kept for the backward (the solve's residual, the kept
+intermediates) has its non-finite entries zeroed: they sit at or after a bad token, where the loss's
+gradient is zero, so any finite value serves. The gradients get nan at the bad entries, and the
+residual is zeroed, in place by Triton kernels that do nothing where the flags are clear. No wait for
+the device: a training step can be captured in a CUDA graph, and the host queues the backward while
+the forward runs. "host": one reduction per input and one wait for
 the device per backward; only a batch with a bad entry pays for the masks and copies, and it recomputes
 what the forward kept (the behaviour before 2026-12-06).
 """
@@ -99,22 +99,52 @@ def _bad_ends(i) -> tuple:
     return not (clamped and i.hi.is_finite), not (clamped and i.lo.is_finite) and not i.log
 
 
-def device_copies(mixer_ir, names, tensors) -> list:
-    """The inputs with every bad entry replaced by a finite value in range, on the device with no
-    check read back (one pass each; a clean tensor comes back equal)."""
+def device_copies(mixer_ir, names, tensors) -> tuple:
+    """(the inputs with every bad entry replaced by a finite value in range, a 0-dim int32 flag per
+    input on the device, 1 where it has a nan or an infinite entry (None for one not floating
+    point)): one pass over each input that copies and flags it, nothing read back."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
-    out = []
-    for n, t in zip(names, tensors):
-        if n not in spec or not t.is_floating_point():
-            out.append(t)
+    live = [j for j, (n, t) in enumerate(zip(names, tensors)) if n in spec and t.is_floating_point()]
+    if not live:
+        return list(tensors), [None] * len(tensors)
+    buf = torch.zeros(len(live), dtype=torch.int32, device=tensors[live[0]].device)
+    out, flags_ = list(tensors), [None] * len(tensors)
+    for slot, j in enumerate(live):
+        t, i = tensors[j], spec[names[j]]
+        fill = _fill(i)
+        pos, neg = _bad_ends(i)
+        flags_[j] = buf[slot]
+        if t.dtype == torch.float64 or not t.numel():  # (the kernel computes in fp32)
+            out[j] = torch.nan_to_num(t, nan=fill, posinf=fill if pos else math.inf, neginf=fill if neg else -math.inf)
+            buf[slot] = _maybe_bad(t).to(torch.int32)
             continue
-        fill = _fill(spec[n])
-        pos, neg = _bad_ends(spec[n])
-        out.append(torch.nan_to_num(t, nan=fill, posinf=fill if pos else math.inf, neginf=fill if neg else -math.inf))
-    return out
+        x = t.detach().contiguous()
+        out[j] = torch.empty_like(x)
+        _finite_copy_kernel[_launch_blocks(x.numel())](x, out[j], buf, slot, x.numel(), fill, POS=pos, NEG=neg,
+                                                       BLOCK=BLOCK)
+    return out, flags_
 
 
-BLOCK = 1024  # elements per program of the two kernels below
+BLOCK = 1024  # elements per program of the kernels below
+
+
+@triton.jit
+def _finite_copy_kernel(x_ptr, y_ptr, flags_ptr, slot, n, fill, POS: tl.constexpr, NEG: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    # y = x with fill at the bad entries (nan; +inf with POS; -inf with NEG); flags[slot] = 1 where
+    # x has a nan or an infinite entry at all (the other kernels skip a clean input)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    inf = (x == float("inf")) | (x == float("-inf"))
+    bad = x != x
+    if POS:
+        bad = bad | (x == float("inf"))
+    if NEG:
+        bad = bad | (x == float("-inf"))
+    tl.store(y_ptr + offs, tl.where(bad, fill, x).to(y_ptr.dtype.element_ty), mask=m)
+    if tl.max(((x != x) | inf).to(tl.int32), 0) > 0:
+        tl.atomic_max(flags_ptr + slot, 1)
 
 
 @triton.jit
@@ -148,15 +178,9 @@ def _launch_blocks(n: int) -> tuple:
     return (max(1, triton.cdiv(n, BLOCK)),)
 
 
-def flags(tensors) -> list:
-    """Per tensor a 0-dim int32 on its device: 1 where it has a nan or an infinite entry (None for a
-    tensor that is not floating point); no read back."""
-    return [_maybe_bad(t).to(torch.int32) if t.is_floating_point() else None for t in tensors]
-
-
 def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
     """The gradients (None where not asked for) with nan at each bad entry of their input, on the device
-    (in place: they are this backward's own); bad_flags: flags(tensors)."""
+    (in place: they are this backward's own); bad_flags: device_copies' flags."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
     out = []
     for n, t, g, f in zip(names, tensors, grads, bad_flags):
