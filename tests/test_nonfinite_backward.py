@@ -183,3 +183,28 @@ def test_general_and_offline_kernels_take_causal_products_only_in_a_bad_chunk(mi
     assert not calls, f"{mixer_id}: {len(calls)} causal products for clean inputs"
     check_causal(mixer, spoil(x, "k", math.nan, True, 70), opts, 70, monkeypatch, mixer_id)
     assert calls, f"{mixer_id}: no causal product with a nan key"
+
+
+def test_device_copies_flags_and_nan_at(compiled):
+    """The device guard's kernels on gated_deltanet's inputs: q (no range: any non-finite entry is
+    bad), g (a log-decay: -inf is a reset), beta (clamped into (0, 1): +-inf is clamped); the copy
+    has the range's fill at the bad entries only, each input's flag says whether it has any
+    non-finite entry, and the gradients get nan at the bad entries only."""
+    from lrdsl.runtime import nonfinite
+    mixer = compiled(spec_path("gated_deltanet"))
+    inf, nan = math.inf, math.nan
+    q = torch.tensor([1.0, nan, -inf, 2.0], dtype=torch.bfloat16, device=DEVICE)
+    g = torch.tensor([-1.0, -inf, nan, 0.0], device=DEVICE)
+    beta = torch.tensor([0.5, inf, -inf, 0.25], dtype=torch.bfloat16, device=DEVICE)
+    v = torch.tensor([3.0, 4.0, 5.0, 6.0], dtype=torch.bfloat16, device=DEVICE)
+    names, tensors = ["q", "g", "beta", "v"], [q, g, beta, v]
+    copies, flags = nonfinite.device_copies(mixer.ir, names, tensors)
+    fill_g = -1.0  # a log-decay's range is (-inf, 0]: hi - 1
+    want = [[1.0, 0.0, 0.0, 2.0], [-1.0, -inf, fill_g, 0.0], [0.5, inf, -inf, 0.25], [3.0, 4.0, 5.0, 6.0]]
+    for n, c, w, t in zip(names, copies, want, tensors):
+        assert c.dtype == t.dtype and c.tolist() == w, n
+    assert [int(f) for f in flags] == [1, 1, 1, 0]
+    grads = nonfinite.device_nan_at(mixer.ir, names, tensors, [torch.ones_like(t) for t in tensors], flags)
+    isnan = [[False, True, True, False], [False, False, True, False], [False] * 4, [False] * 4]
+    for n, gr, w in zip(names, grads, isnan):
+        assert torch.isnan(gr.float()).tolist() == w, n
