@@ -24,7 +24,10 @@ class Mixer:
         self._kernels = None
         self._op = None
         self._split = None
+        self._product = None
+        self._product_plan = None
         self._parts_cache = None
+        self._fused_cache = None
         self.source = source
         self.filename = filename
 
@@ -53,10 +56,15 @@ class Mixer:
         import importlib.util
         if importlib.util.find_spec("triton") is None:
             return
-        if self.ir.reads_before:  # the parts' kernels: this readout runs around them
+        if self.ir.steps:  # a product of steps runs on its sub-mixer's kernels, its inputs made by the plan
+            self.product_plan  # noqa: B018 (made here: sympy must not run under torch.compile's tracing)
+            self.product._load_kernels()
+        elif self.ir.reads_before:  # the parts' kernels: this readout runs around them
             for part in self._parts[:2]:
                 if part is not None:
                     part._load_kernels()
+            if self._fused:  # and chunk's own, which read it in one pass
+                self.chunk_op  # noqa: B018
         elif self.ir.solve_lam is None:
             self.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
             if self.split is not None:  # and the split spec's, which chunk runs where it can
@@ -85,7 +93,7 @@ class Mixer:
         return tuple(p.name for p in self.ir.params)
 
     def __repr__(self) -> str:
-        return f"<lrdsl.Mixer {self.name}: {printer.transition(self.ir)} S + write>"
+        return f"<lrdsl.Mixer {self.name}: {printer.product(self.ir)} S + write>"
 
     def explicit(self) -> str:
         return printer.explicit(self.ir)
@@ -116,11 +124,24 @@ class Mixer:
         return self._parts_cache
 
     @property
+    def _fused(self) -> bool:
+        """The staged kernels read this spec's readout of the state before the update themselves
+        (codegen/readouts.py's fused): chunk takes them where the keys fit them."""
+        if self._fused_cache is None:
+            from lrdsl.codegen.readouts import fused
+            self._fused_cache = self.ir.reads_before and fused(self.ir) is not None
+        return self._fused_cache
+
+    @property
     def kernels(self):
         """The generated module (kernels and host wrappers), loaded from the on-disk cache. For a
         readout with S_prev or dot-product terms: the module of its first part (lrdsl.Mixer runs
-        the readout around the parts' kernels)."""
-        if self.ir.reads_before:
+        the readout around the parts' kernels), unless the staged kernels read it themselves
+        (Mixer._fused): then its own, whose chunk alone reads it (its general kernels read S^T y).
+        For a product of steps: its sub-token mixer's."""
+        if self.ir.steps:
+            return self.product.kernels
+        if self.ir.reads_before and not self._fused:
             return next(p for p in self._parts[:2] if p is not None).kernels
         if self._kernels is None:  # not a cached_property: its lock breaks torch.compile graphs
             from lrdsl.runtime.loader import load
@@ -130,6 +151,8 @@ class Mixer:
     @property
     def chunk_op(self):
         """The chunked kernels as one torch.library op (forward, backward, fake implementation)."""
+        if self.ir.steps:
+            return self.product.chunk_op
         if self._op is None:
             key = self.kernels.__name__.rsplit("_", 1)[-1]
             if self.ir.solve_lam is not None:  # the offline solve's (taken under torch.compile)
@@ -155,6 +178,9 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.recurrent(self, batch)
+        if self.ir.steps:
+            from lrdsl.runtime import product
+            return product.run(self, "recurrent", batch)
         if self.ir.reads_before:
             return self._with_before("recurrent", batch, initial_state)
         if self._whole_state(batch):
@@ -221,6 +247,11 @@ class Mixer:
             return offline.step(self, q, k, v, state, scale, inputs)
         if self.ir.reads_before:
             return self._step_before(q, k, v, state, scale, inputs, out, return_states, states_out)
+        if self.ir.steps:
+            from lrdsl.runtime import product
+            batch = self._validate(q, k, v, inputs, scale, state, True, None)
+            return product.step(self, batch, state, _step_out(out, batch, v.dtype, v.device), return_states,
+                                states_out)
         whole = state
         if isinstance(state, MixerState):
             state = state.S
@@ -337,6 +368,16 @@ class Mixer:
                                   output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu,
                                   **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
             return o.to(v.dtype), final
+        if self.ir.steps:
+            from lrdsl.runtime import product
+            # with cp_group the slice is this rank's, cu_seqlens and initial_state the global ones:
+            # the per-step vectors are elementwise in the tokens, the sub-mixer's chunk does the rest
+            batch = self._validate(q, k, v, inputs, scale, None if cp_group else initial_state, output_final_state,
+                                   None if cp_group else cu_seqlens, offsets=None if cp_group else cu_seqlens_cpu)
+            if cp_group is not None:
+                import dataclasses
+                batch = dataclasses.replace(batch, initial_state=initial_state, cu_seqlens=cu_seqlens)
+            return product.run(self, "chunk", batch, cp_group, None if cp_group else cu_seqlens_cpu)
         if cp_group is not None:
             from lrdsl.runtime import cp
             return cp.chunk(self, q, k, v, scale, initial_state, output_final_state, cu_seqlens, inputs,
@@ -346,7 +387,7 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
-        if self.ir.reads_before:
+        if self.ir.reads_before and not (self._fused and batch.K <= self.kernels.STAGED_MAX_K):
             return self._with_before("chunk", batch, initial_state, cu_seqlens_cpu)
         if self._native_rank2(batch):
             return self._chunk_rank2(batch)
@@ -445,6 +486,25 @@ class Mixer:
             out.copy_(o)
             o = out
         return (o, every) if return_states else o
+
+    @property
+    def product(self):
+        """The one-step mixer whose n sub-tokens per token are this product's n steps
+        (lrdsl/codegen/product.py), or None for a one-step spec."""
+        if not self.ir.steps:
+            return None
+        if self._product is None:
+            from lrdsl.codegen.product import sub_ir
+            self._product = Mixer(sub_ir(self.ir), keep_intermediates=self.keep_intermediates, check_ranges=False)
+        return self._product
+
+    @property
+    def product_plan(self):
+        """The sub-mixer's inputs as plain functions of this product's (runtime/product.py), made once."""
+        if self._product_plan is None:
+            from lrdsl.runtime.product import plan_of
+            self._product_plan = plan_of(self.ir, self.product.ir)
+        return self._product_plan
 
     @property
     def split(self):

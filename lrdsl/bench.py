@@ -184,6 +184,25 @@ TWINS["comba"] = ("comba.chunk_comba", lambda x: dict(
     use_qk_l2norm_in_kernel=True))
 
 
+def _steps(x: dict, names: tuple):
+    """[B, T, ...] tensors of one token's steps -> [B, n T, ...], step j at n t + j: FLA's layout."""
+    xs = [x[n] for n in names]
+    return torch.stack(xs, 2).reshape(xs[0].shape[0], len(xs) * xs[0].shape[1], *xs[0].shape[2:])
+
+
+def _delta_product_args(n: int):
+    """chunk_gated_delta_product for examples/delta_product<n>.lr: the keys, values and gains of the
+    n steps interleaved, the log-decay once per token; its in-kernel norm normalises q and every key."""
+    keys, values, gains = ("k", "k2", "k3")[:n], ("v", "v2", "v3")[:n], ("b1", "b2", "b3")[:n]
+    return lambda x: dict(q=x["q"], k=_steps(x, keys), v=_steps(x, values), g=x["g"], beta=_steps(x, gains),
+                          num_householder=n, scale=_scale(x), use_qk_l2norm_in_kernel=True)
+
+
+# DeltaProduct: n steps (I - b_j k_j k_j^T) S + b_j k_j v_j^T per token, the decay before the first
+TWINS["delta_product2"] = ("gated_delta_product.chunk_gated_delta_product", _delta_product_args(2))
+TWINS["delta_product3"] = ("gated_delta_product.chunk_gated_delta_product", _delta_product_args(3))
+
+
 def twin(mixer):
     """(FLA op name, a function of the inputs giving its output) or None."""
     if mixer.name in TWINS:

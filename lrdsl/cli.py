@@ -289,7 +289,11 @@ def cmd_show(args) -> int:
     print(m.canonical(), end="")
     print("\n# kernels")
     print(kernels_text(m.ir), end="")
-    if m.ir.reads_before:
+    if m.ir.reads_before and m._fused:
+        print("readout    S_prev^T y inside the staged kernels, one chunk pass (plan.readout_before,\n"
+              "           lrdsl/codegen/readouts.py): P strictly causal, y decayed by G - g, the bonus on P's\n"
+              "           diagonal; wider keys and recurrent take the parts around the kernels")
+    elif m.ir.reads_before:
         print("readout    S_prev^T y and dot products around the kernels (lrdsl/codegen/readouts.py): the\n"
               "           kernels of S^T x and of S^T y with y read one token later, the dot products in PyTorch")
     return 0
@@ -297,6 +301,15 @@ def cmd_show(args) -> int:
 
 def kernels_text(m) -> str:
     """Which kernels `chunk` runs for mixer IR m, and why (the `# kernels` section of `lrdsl show`)."""
+    if m.steps:
+        from lrdsl.codegen.product import sub_ir
+        from lrdsl.frontend import printer
+        sub = sub_ir(m)
+        update = next(line for line in printer.explicit(sub).splitlines() if line.startswith("S = "))
+        first, rest = kernels_text(sub).split("\n", 1)
+        return (f"{first}\n           of the one-step sub-mixer, on {m.n_steps} sub-tokens per token (the {m.n_steps} "
+                f"steps; lrdsl/codegen/product.py):\n           {update}, the log-decay g on the first "
+                "sub-token, o read at the last\n" + rest)
     decode = "recurrent  token by token, one launch (templates/{}recurrent.py.jinja): the decode path\n"
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
@@ -335,8 +348,8 @@ def cmd_check(args) -> int:
     if args.json:
         print(json.dumps(facts, indent=2, sort_keys=True))
     else:
-        from lrdsl.frontend.printer import transition
-        print(f"mixer {m.name}: M_t = {transition(m.ir)}")
+        from lrdsl.frontend.printer import product
+        print(f"mixer {m.name}: M_t = {product(m.ir)}")
         print(explain(facts), end="")
     if args.plot:  # drawn for a refused spec too: that picture says why
         checkplot.draw(m, args.plot)
@@ -359,6 +372,11 @@ def cmd_compile(args) -> int:
         raise SpecError("`lrdsl compile` writes a module of kernels that read S^T x; this readout's S_prev^T and "
                         "dot-product terms run in lrdsl.Mixer around them: use lrdsl.compile(spec) in Python",
                         m.ir.readout_span, m.source, m.filename)
+    if m.ir.steps:
+        from lrdsl.errors import SpecError
+        raise SpecError(f"`lrdsl compile` writes a module of one-step kernels; this spec's {m.ir.n_steps} steps per "
+                        "token run as sub-tokens of such kernels inside lrdsl.Mixer: use lrdsl.compile(spec) in Python",
+                        m.ir.update_span, m.source, m.filename)
     source = generate(m.ir) + FORWARD_ONLY
     path = Path(args.output) / f"{m.name}.py"
     _refuse_shadowing(m.name, path)

@@ -49,13 +49,14 @@ def chunk_size(mixer) -> int:
 
 def flop(mixer, s, backward: bool = False, bt: int | None = None) -> float:
     """Nominal FLOPs of a forward (per token and head: state read and update 4KV, the causal pairwise
-    block BT(K + V); with an erase also the corrected values 2KV and the solve BT(2K + V)); three
-    times that with the backward."""
+    block BT(K + V); with an erase also the corrected values 2KV and the solve BT(2K + V)), per
+    sub-token of a product; three times that with the backward."""
     bt = chunk_size(mixer) if bt is None else bt
     per = 4 * s.K * s.V + bt * (s.K + s.V)
     if mixer.ir.delta is not None:
         per += 2 * s.K * s.V + bt * (2 * s.K + s.V)
-    return float(s.B * s.T * s.H * per) * (3 if backward else 1)
+    # a product (DeltaProduct): n sub-tokens per token
+    return float(s.B * s.T * s.H * per * mixer.ir.n_steps) * (3 if backward else 1)
 
 
 def _input_bytes(mixer, s, elt: int) -> int:
@@ -78,7 +79,7 @@ def nbytes(mixer, s, backward: bool = False, bt: int | None = None, elt: int = 2
     bt = chunk_size(mixer) if bt is None else bt
     inputs = _input_bytes(mixer, s, elt)
     out = s.B * s.T * s.H * s.V * elt
-    states = s.B * s.H * math.ceil(s.T / bt) * s.K * s.V * elt
+    states = s.B * s.H * math.ceil(s.T * mixer.ir.n_steps / bt) * s.K * s.V * elt  # chunks of sub-tokens
     fwd = inputs + out + 2 * states
     if not backward:
         return float(fwd)

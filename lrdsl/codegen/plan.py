@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from lrdsl.codegen.chain import Chain, chain
+from lrdsl.codegen.readouts import fused
 from lrdsl.codegen.split import not_staged as _not_staged
 from lrdsl.codegen.split import split_ir
 from lrdsl.codegen.texpr import code, number, var
@@ -250,6 +251,11 @@ class Plan:
     # them instead of the states
     stored_lets: tuple = ()
     aux_lets: tuple = ()  # block variables of the lets that read an auxiliary state (directly or not)
+    # the staged kernels read the state before each token's update, S_prev^T r (codegen/readouts.py's
+    # fused): P strictly causal, the query decayed by G - g; plus, where bonus_key is not "", the
+    # bonus (r . c) z on P's diagonal, c (the erase read, unused without an erase) its key vector
+    readout_before: bool = False
+    bonus_key: str = ""
 
     # the route's decisions and the tuning, under the names the templates read
     staged = _route_flag("staged")
@@ -426,6 +432,7 @@ def plan(m: ir.Mixer) -> Plan:
     raw_key = _raw_key(m) if not not_staged else None
     raw_query = _raw_query(m) if not not_staged else None
     raw_wy = _raw_wy(m) if not not_staged else ()
+    before = fused(m)
     return Plan(
         mixer=m.name,
         summary=summary,
@@ -441,7 +448,7 @@ def plan(m: ir.Mixer) -> Plan:
         erase_c=code(m.delta.c) if m.delta else "",
         write_key=code(m.write.key),
         write_value=code(m.write.value),
-        query=code(m.query),
+        query=code(before.query if before else m.query),
         log_decay=_floored(m),
         route=route(staged_reason=staged_reason, rank2=rank2, delta=m.delta is not None, decay_kind=m.decay.kind,
                     key_norm=any(i.l2norm and i.kind == "K" for i in m.inputs),
@@ -459,6 +466,8 @@ def plan(m: ir.Mixer) -> Plan:
         raw_query=raw_query,
         stored_lets=stored_lets,
         aux_lets=tuple(var(lt.name) for lt in aux_lets),
+        readout_before=before is not None,
+        bonus_key=code(before.bonus_key) if before is not None and before.bonus_key is not None else "",
     )
 
 

@@ -136,6 +136,15 @@ class Write:
 
 
 @dataclass(frozen=True)
+class Step:
+    """One more rank-1 step of a token's update, after the first: S = (I - a c^T) S + key value^T
+    (delta None: S + key value^T). A product of n such factors per token is DeltaProduct's transition;
+    the decay belongs to the first step alone."""
+    delta: Delta | None
+    write: Write
+
+
+@dataclass(frozen=True)
 class Bonus:
     """A readout term (x^T y) z: the sum over the channels of `kind` of `summand` (x*y), times the
     [V] vector `value`."""
@@ -168,6 +177,13 @@ class Mixer:
     # + scale * sum of (x^T y) z over bonus, S_prev being the state before this token's update
     query_prev: sp.Expr = sp.Integer(0)
     bonus: tuple = ()  # Bonus, ...
+    # the steps after the first (decay, delta, write) of each token's update, in order: the token's
+    # transition is the product of n = 1 + len(steps) rank-1 factors, each followed by its write
+    steps: tuple = ()  # Step, ...
+
+    @property
+    def n_steps(self) -> int:
+        return 1 + len(self.steps)
 
     @property
     def reads_before(self) -> bool:
@@ -189,6 +205,8 @@ class Mixer:
         out += [(e, a.span) for a in self.aux for e in (a.decay, a.write)]
         body = [self.decay.value, self.write.key, self.write.value]
         body += [self.delta.a, self.delta.c] if self.delta is not None else []
+        for st in self.steps:
+            body += [st.write.key, st.write.value] + ([st.delta.a, st.delta.c] if st.delta is not None else [])
         readout = [self.query, self.query_prev, *(e for b in self.bonus for e in (b.summand, b.value))]
         return tuple(out + [(e, self.update_span) for e in body] + [(e, self.readout_span) for e in readout])
 

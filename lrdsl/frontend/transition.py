@@ -15,11 +15,33 @@ from lrdsl.frontend.values import describe as _desc
 
 
 def transition(lw, update: Update):
+    """(decay, delta, write, steps): the first step of the token's update and the steps after it
+    (ir.Step, none for a single step)."""
     val = lw.expr(update.expr)
     if not isinstance(val, St):
         raise SpecError(f"the update must be a [K, V] expression in S, like M S + k v^T; this is "
                         f"{_desc(val)}", update.span)
     span = update.span
+    if not val.inner:
+        return (*_step(lw, val, span), ())
+    first, *rest = val.inner + (St(val.carried, val.writes),)
+    decay, delta, write = _step(lw, first, span, "the first step")
+    steps = []
+    for i, st in enumerate(rest, 2):
+        d, dl, w = _step(lw, st, span, f"step {i}")
+        if d.kind != "identity":
+            raise SpecError(f"step {i} of the product has a decay ({d.value}); lrdsl takes one decay per token, "
+                            "on the first step: move it inside, next to S, as in "
+                            "(I - a2 c2^T) ((I - a1 c1^T) exp(g) S + u1 z1^T) + u2 z2^T", span)
+        steps.append(ir.Step(dl, w))
+    return decay, delta, write, tuple(steps)
+
+
+def _step(lw, val: St, span, which: str = ""):
+    """One step's (decay, delta, write) from its carried terms and writes."""
+    if which and not val.writes:
+        raise SpecError(f"{which} of the product has no write term; each step is (I - a c^T) S + u z^T",
+                        span)
     if not val.carried:
         raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
     diag = sp.Integer(0)

@@ -29,6 +29,9 @@ class Mat:  # K x K: terms ("diag", d) | ("outer", u, c)
 class St:  # [K, V]: carried terms (Mat terms multiplying S) and writes ((u, z), ...)
     carried: tuple
     writes: tuple
+    # earlier steps of a product (DeltaProduct): St values, innermost first; where there are any,
+    # carried multiplies the state after them, not S itself
+    inner: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from lrdsl.codegen.plan import Plan
+from lrdsl.codegen.readouts import fused
 from lrdsl.frontend import ir
 from lrdsl.runtime import nonfinite
 from lrdsl.runtime.reference import prepare_inputs, to_torch
@@ -169,9 +170,12 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = Fal
             ends["final " + a.name] = _at_ends(env[a.name], b, j)
     for lt in m.lets:
         env[lt.name] = to_torch(lt.expr)(env)
+    before = fused(m)  # the kernels read S_prev^T r, c the bonus's key vector (codegen/readouts.py)
     out = {"u": _full(to_torch(m.write.key)(env), shp["K"], dtype, dev),
            "z": _full(to_torch(m.write.value)(env), shp["V"], dtype, dev),
-           "r": _full(to_torch(m.query)(env), shp["K"], dtype, dev) * b.scale}
+           "r": _full(to_torch(before.query if before else m.query)(env), shp["K"], dtype, dev) * b.scale}
+    if before is not None and before.bonus_key is not None:
+        out["c"] = _full(to_torch(before.bonus_key)(env), shp["K"], dtype, dev)
     out.update(ends)
     if m.solve_lam is not None:  # the offline solve: its Gram state's other side k, and lam
         out["kk"] = _full(env["k"], shp["K"], dtype, dev)
