@@ -136,7 +136,7 @@ def no_host_reads():
             setattr(torch.Tensor, name, f)
 
 
-NO_READS = ["gated_deltanet", "kda", "gdn2_atk"]  # pytest -q; every other example with -m slow
+NO_READS = ["gated_deltanet", "kda"]  # pytest -q; every other example (gdn2_atk: the auxiliary chain rule) with -m slow
 
 
 @pytest.mark.parametrize("name", NO_READS + [pytest.param(p.stem, marks=pytest.mark.slow) for p in kernel_examples()
