@@ -96,7 +96,7 @@ def test_eager_forward_and_backward_make_no_synchronising_call():
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "precond_deltanet", "rwkv6"])
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "precond_deltanet", "rwkv6", "delta_product2"])
 def test_step_in_a_cuda_graph(name):
     """Decoding captured once: a one-token step, then a four-token verification step that keeps the
     states after each token and rolls each sequence back to its own accepted count. Replayed from a
