@@ -54,7 +54,7 @@ class Raw:
 @dataclass(frozen=True)
 class Aux:
     """One auxiliary state of the spec (P_t = alpha_t P_{t-1} + beta_t) and the names the kernels
-    give it, all made from its validated name: the pointer prefixes ("aux_", "auxin_", "auxout_")
+    give it, all made from its validated name: the pointer prefixes ("aux_", "auxin_", "auxout_", "auxall_")
     differ in their fourth letter, so no two names of two states meet."""
     name: str  # the spec's name of the state
     kind: str  # "K" | "V"
@@ -82,6 +82,11 @@ class Aux:
         return f"auxout_{self.name}_ptr"
 
     @property
+    def all_ptr(self) -> str:
+        """Its value after every token (the recurrent kernel's, for a multi-token step)."""
+        return f"auxall_{self.name}_ptr"
+
+    @property
     def chunked(self) -> bool:
         """The aux pass takes the chunked form (a weighted sum of rows per chunk) instead of the pair
         scan: its decay is one number per head and token (docs/kernels/host.md)."""
@@ -94,6 +99,10 @@ class Tuning:
     hard-code them). Measurements behind the defaults: docs/kernels/host.md."""
     recurrent_bv: int = 32
     recurrent_warps: int = 1
+    # few sequences (decoding at small B): value tiles halve down to recurrent_min_bv while the launch
+    # has fewer than recurrent_min_programs programs (not measured yet: benchmarks/device/decode.sh)
+    recurrent_min_bv: int = 8
+    recurrent_min_programs: int = 256
     chunk_size: int = 64  # BT; 16 for per-channel decays, whose pairwise terms are built elementwise
     chunk_size_wide_k: int = 16  # BT when K > wide_k: [BT, K] fp32 dot operands must fit in shared memory
     wide_k: int = 128
@@ -267,6 +276,8 @@ class Plan:
     decay_grad_from_vectors = _route_flag("decay_grad_from_vectors")
     recurrent_bv = _tuning("recurrent_bv")
     recurrent_warps = _tuning("recurrent_warps")
+    recurrent_min_bv = _tuning("recurrent_min_bv")
+    recurrent_min_programs = _tuning("recurrent_min_programs")
     chunk_size = _tuning("chunk_size")
     chunk_size_wide_k = _tuning("chunk_size_wide_k")
     wide_k = _tuning("wide_k")

@@ -132,10 +132,26 @@ def run(mixer, method: str, batch, cp_group=None, offsets=None):
     return last(o, n).contiguous(), final
 
 
-def step(mixer, batch, state):
-    """Decode: the sub-mixer's step over n sub-tokens per token, the state updated in place."""
+def step(mixer, batch, state, out=None, return_states=False, states_out=None):
+    """Decode: the sub-mixer's step over n sub-tokens per token, the state updated in place (Mixer.step's
+    out, return_states and states_out: the states after each token are the sub-mixer's after its last
+    sub-token)."""
     x = sub_inputs(mixer.product_plan, batch.tensors, batch.H, batch.HV)
     q, k, v = x.pop(cp.Q), x.pop(cp.C), x.pop(cp.Z)
-    return last(mixer.product.step(q, k, v, state, batch.scale, **x), mixer.ir.n_steps).contiguous()
+    n = mixer.ir.n_steps
+    every = None
+    if return_states or states_out is not None:
+        buf = mixer._states_buffer(batch, states_out, v.device)  # checked before the state moves
+        o, sub_every = mixer.product.step(q, k, v, state, batch.scale, return_states=True, **x)
+        parts = ({"S": sub_every.S, **sub_every.aux} if hasattr(sub_every, "aux") else {"S": sub_every})
+        dest = ({"S": buf.S, **buf.aux} if hasattr(buf, "aux") else {"S": buf})
+        for name, t in dest.items():
+            t.copy_(last(parts[name], n))
+        every = buf
+    else:
+        o = mixer.product.step(q, k, v, state, batch.scale, **x)
+    o = last(o, n)
+    o = out.copy_(o) if out is not None else o.contiguous()
+    return (o, every) if return_states else o
 
 
