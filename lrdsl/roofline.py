@@ -44,7 +44,8 @@ def peak_of(device_name: str, tflops: float | None = None, tbps: float | None = 
 def chunk_size(mixer) -> int:
     """BT of the plan's staged forward (the chunk the counts take)."""
     from lrdsl.codegen.plan import plan
-    return plan(mixer.ir).staged_chunk
+    m = mixer.product.ir if mixer.ir.steps else mixer.ir  # a product runs its sub-mixer's kernels
+    return plan(m).staged_chunk
 
 
 def flop(mixer, s, backward: bool = False, bt: int | None = None) -> float:

@@ -595,11 +595,17 @@ o = S^T qa
 """
 
 
+def rendered_ir(path):
+    """The IR whose kernels a spec runs: a product of steps runs its one-step sub-mixer's."""
+    m = lrdsl.compile(path, load_kernels=False)
+    return m.product.ir if m.ir.steps else m.ir
+
+
 def test_chain_at_dr_only_where_q_alone_reads_r():
     """plan.chain_at_dr: the five examples whose staged_dk ends in the chain rule make q's gradient
     where r's is made; a query gated by another input keeps r's gradient in memory."""
     from lrdsl.codegen.plan import plan
-    at = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir).chain_at_dr for p in EXAMPLES}
+    at = {p.stem: plan(rendered_ir(p)).chain_at_dr for p in EXAMPLES}
     assert {s: l.name for s, l in at.items() if l} == {s: "q" for s in (
         "deltanet", "gated_deltanet", "gated_deltanet_gates", "gated_deltanet_negeig", "comba")}, at
     gated = plan(lrdsl.compile(text=GATED_QUERY, load_kernels=False).ir)
@@ -641,10 +647,11 @@ def test_stage_three_takes_three_launches_with_an_erase(split, monkeypatch):
     reference, and each stage-3 kernel runs once per backward."""
     from lrdsl.codegen import generate as generate_module
     from lrdsl.codegen.plan import plan
-    plans = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir) for p in EXAMPLES}
+    plans = {p.stem: plan(rendered_ir(p)) for p in EXAMPLES}
     assert {s for s, p in plans.items() if p.split_dk} == {"gated_deltanet", "gated_deltanet_gates",
                                                           "gated_deltanet_negeig", "precond_deltanet",
-                                                          "channel_gates_scalar_decay", "comba"}, plans
+                                                          "channel_gates_scalar_decay", "comba",
+                                                          "delta_product2", "delta_product3"}, plans
     assert {s for s, p in plans.items() if p.split_dr} == {"gated_deltanet", "gated_deltanet_gates",
                                                           "gated_deltanet_negeig", "comba"}
     if not split:

@@ -418,6 +418,8 @@ def _bounds(i: ir.Input) -> tuple:
 
 
 def plan(m: ir.Mixer) -> Plan:
+    if m.steps:  # its kernels are its one-step sub-mixer's (codegen/product.py), planned on their own
+        raise ValueError(f"mixer '{m.name}' is a product of steps: plan its sub-mixer, codegen.product.sub_ir(m)")
     loads = tuple(Load(i.name, var(i.name), i.kind, i.shared, i.l2norm, *_bounds(i)) for i in m.inputs)
     loads += tuple(Load(p.name, var(p.name), p.kind, False, False, *_bounds(p), per_head=True) for p in m.params)
     not_staged = _not_staged(m)
