@@ -277,7 +277,7 @@ def cmd_check(args) -> int:
         print(json.dumps(facts, indent=2, sort_keys=True))
     else:
         from lrdsl.frontend.printer import transition
-        print(f"mixer {m.name}: M_t = {transition(m.ir)}")
+        print(f"mixer {m.name}: {'N' if m.ir.side == 'right' else 'M'}_t = {transition(m.ir)}")
         print(explain(facts), end="")
     if args.plot:  # drawn for a refused spec too: that picture says why
         checkplot.draw(m, args.plot)

@@ -63,7 +63,8 @@ def analyse(mixer: ir.Mixer) -> dict:
     per_channel_d = mixer.decay.kind == "diagonal"
     out = {"D": D, "d": d, "W": None, "w": None, "factor": None, "symmetric": False, "sym_eig": None, "notes": []}
     notes = out["notes"]
-    dname = "per key channel" if per_channel_d else "one number per head"
+    chan = "value" if mixer.side == "right" else "key"
+    dname = f"per {chan} channel" if per_channel_d else "one number per head"
     if mixer.delta is None:
         notes.append(f"M = D with D = {d} ({dname}); no erase term.")
         notes.append(f"M is diagonal: its eigenvalues are the values of D, in {_iv(D)}.")
@@ -87,7 +88,7 @@ def analyse(mixer: ir.Mixer) -> dict:
             F = (min(1.0, 1 - W[1]), max(1.0, 1 - W[0]))
             out.update(w=w, W=W, factor=F)
             notes.append(f"{u.name} has unit norm and c*a = ({w}) {u.name}^2, so c^T a is a convex combination "
-                         f"of values in {_iv(W)}: I - a c^T has eigenvalues 1 (K-1 times) and 1 - c^T a, "
+                         f"of values in {_iv(W)}: I - a c^T has eigenvalues 1 ({'V' if mixer.side == 'right' else 'K'}-1 times) and 1 - c^T a, "
                          f"all in {_iv(F)}.")
             break
     else:
@@ -203,6 +204,10 @@ def _as_bool(status: str, yes: str = PROVED):
 def check(mixer: ir.Mixer) -> dict:
     an = analyse(mixer)
     notes, eig, enclosed = list(an["notes"]), an["eig"], an["proved"]
+    if mixer.side == "right":  # the facts of N are those of M: ||S N|| <= ||S|| ||N|| bounds the state alike
+        notes.insert(0, "The transition acts on the value side, S_t = S_{t-1} N_t + write, N_t [V, V]; the facts "
+                        "below are N_t's, written M (S_t^T = N_t^T S_{t-1}^T + ... has the same eigenvalues "
+                        "and norms).")
     num = witness.numeric(mixer)
     facts, wits = {}, {}
 

@@ -168,6 +168,10 @@ class Mixer:
     # + scale * sum of (x^T y) z over bonus, S_prev being the state before this token's update
     query_prev: sp.Expr = sp.Integer(0)
     bonus: tuple = ()  # Bonus, ...
+    # "left": S = M S + write, M over key channels; "right": S = S N + write, the value side (the
+    # gated Oja rule): N = (I - a c^T) D, D (I - a c^T) or D - a c^T over value channels, so the
+    # decay, a and c are [V] (or per-head) quantities
+    side: str = "left"
 
     @property
     def reads_before(self) -> bool:

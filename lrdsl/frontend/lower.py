@@ -119,7 +119,7 @@ class Lowerer:
 
     def e_Var(self, n: Var):
         if n.name == "I":
-            return Mat((("diag", sp.Integer(1)),))
+            return Mat((("diag", sp.Integer(1)),), "")
         if n.name == "S":
             return St((("diag", sp.Integer(1)),), ())
         if n.name == "S_prev":
@@ -142,7 +142,7 @@ class Lowerer:
         if isinstance(x, Row):
             return Val(x.kind, x.expr)
         if isinstance(x, Mat):
-            return Mat(tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in x.terms))
+            return Mat(tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in x.terms), x.dim)
         if isinstance(x, St) and x.carried == (("diag", 1),) and not x.writes:
             return StT()
         if isinstance(x, StPrev) and not x.transposed:
@@ -165,9 +165,9 @@ class Lowerer:
         xs = [self.expr(a) for a in n.args]
         if f == "diag":
             x = xs[0]
-            if not (isinstance(x, Val) and x.kind in ("K", "scalar")):
-                raise SpecError(f"diag(...) takes a [K] vector (or a number), not {_desc(x)}", n.span)
-            return Mat((("diag", x.expr),))
+            if not isinstance(x, Val):
+                raise SpecError(f"diag(...) takes a [K] or [V] vector (or a number), not {_desc(x)}", n.span)
+            return Mat((("diag", x.expr),), {"scalar": ""}.get(x.kind, x.kind))
         for x in xs:
             if not isinstance(x, Val):
                 raise SpecError(f"{f}(...) applies elementwise to numbers and vectors, not to {_desc(x)}", n.span)
@@ -211,10 +211,10 @@ class Lowerer:
         if isinstance(a, Dot) and isinstance(b, Dot) and a.kind == b.kind:
             return Dot(a.kind, a.expr + sign * b.expr)
         if isinstance(a, Mat) and isinstance(b, Mat):
-            return Mat(a.terms + self.scale(b, sign, n.span).terms)
+            return Mat(a.terms + self.scale(b, sign, n.span).terms, _dims(a, b, n.span))
         if isinstance(a, St) and isinstance(b, St):
             b = self.scale(b, sign, n.span)
-            return St(a.carried + b.carried, a.writes + b.writes)
+            return St(a.carried + b.carried, a.writes + b.writes, _sides(a, b, n.span))
         hint = "; write I for the identity matrix" if {type(a), type(b)} == {Val, Mat} else ""
         raise SpecError(f"cannot {'add' if sign == 1 else 'subtract'} {_desc(b)} "
                         f"{'to' if sign == 1 else 'from'} {_desc(a)}{hint}", n.span)
@@ -261,9 +261,9 @@ class Lowerer:
             return Row(x.kind, s * x.expr)
         if isinstance(x, Mat):
             return Mat(tuple(("diag", s * t[1]) if t[0] == "diag" else ("outer", s * t[1], t[2])
-                             for t in x.terms))
+                             for t in x.terms), x.dim)
         if isinstance(x, St):
-            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes))
+            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes), x.side)
         if isinstance(x, Out):
             return Out(s * x.query, x.lam, s * x.prev, tuple((k, e, s * z) for k, e, z in x.bonus))
         if isinstance(x, Dot):
@@ -290,13 +290,14 @@ class Lowerer:
         if isinstance(b, Val) and b.kind == "scalar" and not isinstance(a, StT):
             return self.scale(a, b.expr, span)
         if isinstance(a, Val) and isinstance(b, Row):
-            if a.kind == "K" and b.kind == "K":
-                return Mat((("outer", a.expr, b.expr),))
+            if a.kind == b.kind and a.kind in ("K", "V"):
+                return Mat((("outer", a.expr, b.expr),), a.kind)
             if a.kind == "K" and b.kind == "V":
                 return St((), ((a.expr, b.expr),))
             raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)} gives a [{a.kind}, {b.kind}] "
-                            "matrix; the state is [K, V], so outer products are k k^T ([K, K], in the "
-                            "transition) or k v^T ([K, V], the write)", span)
+                            "matrix; the state is [K, V], so outer products are k k^T ([K, K], in a "
+                            "transition from the left), v v^T ([V, V], from the right) or k v^T ([K, V], "
+                            "the write)", span)
         if isinstance(a, Row) and isinstance(b, Val) and b.kind != "scalar":
             if a.kind != b.kind:
                 raise SpecError(f"x^T y takes two vectors of one length, not a [{a.kind}] and a [{b.kind}] "
@@ -316,8 +317,15 @@ class Lowerer:
             raise SpecError(f"two column vectors side by side ({_desc(a)}, {_desc(b)}); "
                             "did you mean an outer product like k v^T?", span)
         if isinstance(a, Mat) and isinstance(b, Mat):
-            return Mat(tuple(self.term_product(s, t, span) for s in a.terms for t in b.terms))
+            return Mat(tuple(self.term_product(s, t, span) for s in a.terms for t in b.terms), _dims(a, b, span))
+        if isinstance(a, St) and isinstance(b, Mat):
+            return self.right_product(a, b, span)
         if isinstance(a, Mat) and isinstance(b, St):
+            if a.dim == "V":
+                raise SpecError("shape mismatch: a [V, V] matrix cannot multiply S ([K, V]) from the left; "
+                                "value-side factors stand on the right, S N (e.g. S diag(exp(gv)))", span)
+            if a.dim == "K" and b.side == "right" and not _identity(b.carried):
+                raise _two_sided(span)
             carried = tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried)
             writes = []
             for s in a.terms:
@@ -326,8 +334,8 @@ class Lowerer:
                         raise SpecError("a rank-1 matrix times the write gives a dot product c^T u; lrdsl "
                                         "compiles (transition) S + u z^T", span)
                     writes.append((s[1] * u, z))
-            return St(carried, tuple(writes))
-        if isinstance(a, Mat) and isinstance(b, Val) and b.kind == "K":
+            return St(carried, tuple(writes), "left" if a.dim == "K" else b.side)
+        if isinstance(a, Mat) and isinstance(b, Val) and b.kind == "K" and a.dim != "V":
             if any(t[0] == "outer" for t in a.terms):
                 raise SpecError("a rank-1 matrix times a vector is a dot product; not supported here", span)
             return Val("K", sum((t[1] for t in a.terms), sp.Integer(0)) * b.expr)
@@ -352,6 +360,19 @@ class Lowerer:
                             "must be a [K, K] matrix (I, diag(g), k k^T, ...) or a number", span)
         raise SpecError(f"shape mismatch: cannot multiply {_desc(a)} by {_desc(b)}", span)
 
+    def right_product(self, a: St, b: Mat, span) -> St:
+        """(carried) S N: the transition multiplies S's rows from the right (the value side)."""
+        if b.dim == "K":
+            raise SpecError("shape mismatch: S is [K, V], so a factor on its right is a [V, V] matrix "
+                            "(diag(gv), v v^T with [V] vectors), not a [K, K] one", span)
+        if a.writes:
+            raise SpecError("the write is added after the transition: write S N + k v^T, not (S + k v^T) N",
+                            span)
+        if a.side == "left" and not _identity(a.carried):
+            raise _two_sided(span)
+        carried = tuple(self.term_product(t, s, span) for t in a.carried for s in b.terms)
+        return St(carried, (), "right" if b.dim == "V" else a.side)
+
     @staticmethod
     def term_product(s, t, span):
         if s[0] == "diag" and t[0] == "diag":
@@ -372,6 +393,31 @@ class Lowerer:
         self.kinds[name] = kind
         self.symbols[name] = ir.symbol(name)
         self.defined_at[name] = span
+
+
+def _dims(a: Mat, b: Mat, span) -> str:
+    """The dimension of a sum or product of two matrices: "" (a multiple of I) takes the other's."""
+    if a.dim and b.dim and a.dim != b.dim:
+        raise SpecError("cannot combine a [K, K] and a [V, V] matrix: [K, K] factors multiply S from the "
+                        "left, [V, V] ones from the right", span)
+    return a.dim or b.dim
+
+
+def _sides(a: St, b: St, span) -> str:
+    if a.side and b.side and a.side != b.side:
+        raise SpecError("the update adds a transition from the left (M S) to one from the right (S N); "
+                        "lrdsl compiles one of the two forms, M S + k v^T or S N + k v^T", span)
+    return a.side or b.side
+
+
+def _identity(carried: tuple) -> bool:
+    """Carried terms that are one number per head times I (they commute with either side)."""
+    return all(t[0] == "diag" and not t[1].free_symbols - {ir.HEAD} for t in carried)
+
+
+def _two_sided(span) -> SpecError:
+    return SpecError("two-sided transitions M S N (a [K, K] factor on the left and a [V, V] one on the "
+                     "right) are not supported yet; write M S + k v^T or S N + k v^T", span)
 
 
 def lower(spec: Spec) -> ir.Mixer:
@@ -435,7 +481,7 @@ def lower(spec: Spec) -> ir.Mixer:
         raise SpecError("the spec has no update of the state; add a line like `S = S + k v^T`", spec.span)
     if readout is None:
         raise SpecError("the spec has no readout; add the line `o = S^T q`", spec.span)
-    decay, delta, write = transition(lw, update)
+    decay, delta, write, side = transition(lw, update)
     out = lw.expr(readout.expr)
     if not isinstance(out, Out):
         raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
@@ -461,9 +507,21 @@ def lower(spec: Spec) -> ir.Mixer:
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
                  readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow,
-                 query_prev=out.prev, bonus=bonus)
+                 query_prev=out.prev, bonus=bonus, side=side)
+    if side == "right":
+        _check_value_side(m, update.span, readout.span)
     check_constants(m, update.span)
     return m
+
+
+def _check_value_side(m: ir.Mixer, span, readout_span) -> None:
+    """What a value-side transition (S N) does not combine with yet: each refused where it is written."""
+    if m.aux:
+        raise SpecError("auxiliary states with a value-side transition (S N) are not supported yet; "
+                        "compute the per-token quantities from inputs and lets", m.aux[0].span)
+    if m.solve_lam is not None or m.reads_before:
+        raise SpecError("a value-side transition (S N) reads out as o = S^T x alone: S_prev^T, dot-product "
+                        "terms and the offline solve are not supported with it yet", readout_span)
 
 
 def _check_before_terms(out: Out, aux, lets, span) -> None:

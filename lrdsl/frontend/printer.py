@@ -151,7 +151,7 @@ def explicit(m: ir.Mixer) -> str:
     for lt in m.lets:
         lines.append(f"let {lt.name} = {expr(lt.expr)}")
     t = transition(m)
-    carried = "S" if t == "I" else f"{t} S"
+    carried = "S" if t == "I" else f"S {t}" if m.side == "right" else f"{t} S"
     lines.append(f"S = {carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T")
     lines.append(f"o = {readout(m)}")
     if m.solve_lam is not None and m.solve_steps != ir.Mixer.solve_steps:
@@ -188,10 +188,13 @@ def canonical(m: ir.Mixer) -> str:
     d = m.decay
     out = [f"decay   {d.kind:9s} D = {expr(d.value) if d.kind != 'identity' else 'I'}"]
     if m.delta is None:
-        out.append("erase   none      M = D")
+        out.append("erase   none      N = D" if m.side == "right" else "erase   none      M = D")
     else:
         form = {"left": "(I - a c^T) D", "right": "D (I - a c^T)", "sum": "D - a c^T"}[m.delta.order]
-        out.append(f"erase   rank-1    M = {form},  a = {expr(m.delta.a)},  c = {expr(m.delta.c)}")
+        M = "N" if m.side == "right" else "M"
+        out.append(f"erase   rank-1    {M} = {form},  a = {expr(m.delta.a)},  c = {expr(m.delta.c)}")
+    if m.side == "right":
+        out.append("side    value     S = S N + write (N [V, V] multiplies the state's rows from the right)")
     out.append(f"write   rank-1    {_vec(m.write.key)} {_vec(m.write.value)}^T")
     if m.solve_lam is None and m.reads_before:
         out.append(f"readout           o = scale * ({readout(m)})")

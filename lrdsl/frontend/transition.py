@@ -1,4 +1,4 @@
-"""The update S = M S + u z^T, lowered: the transition's decay and rank-1 erase in canonical form
+"""The update S = M S + u z^T (or S = S N + u z^T, the value side), lowered: the transition's decay and rank-1 erase in canonical form
 (I - a c^T) D, D (I - a c^T) or D - a c^T, and the write. Terms are expanded by the lowering's
 values (values.py); this module reads them back as one diagonal, at most one rank-1 erase and one
 rank-1 write, or refuses with the form it found."""
@@ -34,16 +34,20 @@ def transition(lw, update: Update):
     if d == 0:
         raise SpecError("the transition has no diagonal part (no I, diag(...) or scalar times S); the "
                         "accepted forms are (I - a c^T) D S and D (I - a c^T) S", span)
+    side = "right" if val.side == "right" else "left"
+    chan, other = ("V", "K") if side == "right" else ("K", "V")  # the channels N (or M) runs over
     for sym in d.free_symbols:
-        if lw.kinds.get(str(sym)) == "V":
-            raise SpecError("the decay multiplies S from the left, so it varies over key channels (K), "
-                            f"not value channels; '{sym}' is a [V] value", span)
+        if lw.kinds.get(str(sym)) == other:
+            where = ("from the right, so it varies over value channels (V)" if side == "right" else
+                     "from the left, so it varies over key channels (K)")
+            raise SpecError(f"the decay multiplies S {where}, not over {'key' if other == 'K' else 'value'} "
+                            f"channels; '{sym}' is a [{other}] value", span)
     kinds = {str(s): lw.kinds.get(str(s)) for s in d.free_symbols}
     if d == 1:
         decay = ir.Decay("identity", d)
     elif not d.free_symbols - {ir.HEAD}:
         decay = ir.Decay("constant", d)
-    elif "K" in kinds.values():
+    elif chan in kinds.values():
         decay = ir.Decay("diagonal", d)
     else:
         decay = ir.Decay("scalar", d)
@@ -65,7 +69,7 @@ def transition(lw, update: Update):
         # which overflows where the decay underflows (g = -120: nan in every path) although M is
         # finite; where both orders would, M is kept as written, D - a c^T (order "sum", the
         # additive DPLR form of RWKV-7), which the kernels compute with in-chunk decays only
-        inverse = lambda dl: any(_divides_by_decay(x, d, lw.kinds) for x in (dl.a, dl.c))
+        inverse = lambda dl: any(_divides_by_decay(x, d, lw.kinds, chan) for x in (dl.a, dl.c))
         score = lambda dl: (inverse(dl), sp.count_ops(dl.a) + sp.count_ops(dl.c))
         delta = left if score(left) <= score(right) else right
         if decay.kind != "diagonal":  # a scalar D commutes: one canonical order
@@ -78,14 +82,14 @@ def transition(lw, update: Update):
     (key, value), = writes
     vsyms = [lw.symbols[n] for n, k in lw.kinds.items() if k == "V"]
     coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
-    return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart)
+    return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart), side
 
 
-def _divides_by_decay(x, d, kinds: dict) -> bool:
+def _divides_by_decay(x, d, kinds: dict, chan: str = "K") -> bool:
     """x divides by the data-dependent part of the decay d: a symbol of d's is in its denominator
     (exp(-g) counts as 1/exp(g)), or x d is free of d's symbols where x is not (x holds 1/d, as
     exp(exp(A) softplus(dt)) does for d = exp(-exp(A) softplus(dt)))."""
-    data = {s for s in d.free_symbols if kinds.get(str(s)) in ("K", "scalar") and s != ir.HEAD}
+    data = {s for s in d.free_symbols if kinds.get(str(s)) in (chan, "scalar") and s != ir.HEAD}
     if not x.free_symbols & data:
         return False
     if sp.fraction(sp.together(x))[1].free_symbols & data:

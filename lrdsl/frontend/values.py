@@ -21,14 +21,18 @@ class Row:  # a transposed vector
 
 
 @dataclass(frozen=True)
-class Mat:  # K x K: terms ("diag", d) | ("outer", u, c)
+class Mat:  # K x K (dim "K"), V x V (dim "V") or the identity's either (dim ""): ("diag", d) | ("outer", u, c)
     terms: tuple
+    dim: str = "K"
 
 
 @dataclass(frozen=True)
 class St:  # [K, V]: carried terms (Mat terms multiplying S) and writes ((u, z), ...)
     carried: tuple
     writes: tuple
+    # which side the carried terms multiply S from: "left" (M S, [K, K] terms), "right" (S N, [V, V]
+    # terms), "" while they are the identity alone (plain S)
+    side: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def describe(x) -> str:
     if isinstance(x, Row):
         return f"a transposed [{x.kind}] vector"
     if isinstance(x, Mat):
-        return "a [K, K] matrix"
+        return "a [V, V] matrix" if x.dim == "V" else "a [K, K] matrix"
     if isinstance(x, St):
         return "a [K, V] state expression"
     if isinstance(x, StT):
