@@ -53,6 +53,9 @@ class Mixer:
         import importlib.util
         if importlib.util.find_spec("triton") is None:
             return
+        if self.ir.side == "right":  # the value side's module: its token loop (chunk runs in PyTorch)
+            self.kernels  # noqa: B018
+            return
         if self.ir.reads_before:  # the parts' kernels: this readout runs around them
             for part in self._parts[:2]:
                 if part is not None:
@@ -130,6 +133,9 @@ class Mixer:
     @property
     def chunk_op(self):
         """The chunked kernels as one torch.library op (forward, backward, fake implementation)."""
+        if self.ir.side == "right":
+            raise InputError(f"mixer '{self.name}' has a value-side transition (S N), whose chunked path is "
+                             "PyTorch for now (runtime/valueside.py), not a kernel op: call mixer.chunk")
         if self._op is None:
             key = self.kernels.__name__.rsplit("_", 1)[-1]
             if self.ir.solve_lam is not None:  # the offline solve's (taken under torch.compile)
@@ -260,6 +266,9 @@ class Mixer:
                                   output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu,
                                   **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
             return o.to(v.dtype), final
+        if cp_group is not None and self.ir.side == "right":
+            raise InputError(f"mixer '{self.name}' has a value-side transition (S N), which context "
+                             "parallelism does not support yet: call chunk without cp_group")
         if cp_group is not None:
             from lrdsl.runtime import cp
             return cp.chunk(self, q, k, v, scale, initial_state, output_final_state, cu_seqlens, inputs,
@@ -269,6 +278,9 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
+        if self.ir.side == "right":  # INTERIM: PyTorch's chunked UT form, autograd's backward
+            from lrdsl.runtime.valueside import torch_chunk
+            return torch_chunk(self.ir, batch)
         if self.ir.reads_before:
             return self._with_before("chunk", batch, initial_state, cu_seqlens_cpu)
         if self._native_rank2(batch):

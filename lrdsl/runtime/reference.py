@@ -83,6 +83,19 @@ def _clamped(i, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _right_transition(m: ir.Mixer, S, d, f_a, f_c, env):
+    """S N for a value-side transition: N's [V] decay and erase act on the state's rows."""
+    if m.delta is None:
+        return S * d
+    a, c = torch.as_tensor(f_a(env)).unsqueeze(-2), torch.as_tensor(f_c(env)).unsqueeze(-2)
+    if m.delta.order == "left":  # S (I - a c^T) D
+        return (S - (S * a).sum(-1, keepdim=True) * c) * d
+    if m.delta.order == "sum":  # S (D - a c^T)
+        return S * d - (S * a).sum(-1, keepdim=True) * c
+    S = S * d  # S D (I - a c^T)
+    return S - (S * a).sum(-1, keepdim=True) * c
+
+
 def scan(m: ir.Mixer, b: Batch):
     """o [B, T, HV, V] (in v's dtype) and the final state [N, HV, K, V] (fp32, fp64 for fp64 inputs)."""
     dtype = compute_dtype(b)
@@ -118,14 +131,16 @@ def scan(m: ir.Mixer, b: Batch):
             for name, f in f_let:
                 env[name] = f(env)
             d = torch.as_tensor(f_d(env), dtype=dtype, device=dev)
-            d = d.unsqueeze(-1) if d.dim() else d
+            d = d.unsqueeze(-2 if m.side == "right" else -1) if d.dim() else d
             before = 0.0  # what the readout takes from before the update: S_prev^T x + (x^T y) z
             if m.query_prev != 0:
                 before = (torch.as_tensor(f_qp(env)).unsqueeze(-1) * S).sum(-2) * b.scale
             for f_sum, f_z in f_bonus:
                 dot = torch.as_tensor(f_sum(env), dtype=dtype, device=dev).sum(-1, keepdim=True)
                 before = before + dot * torch.as_tensor(f_z(env)) * b.scale
-            if m.delta is None:
+            if m.side == "right":
+                S = _right_transition(m, S, d, f_a, f_c, env)
+            elif m.delta is None:
                 S = d * S
             else:
                 a, c = f_a(env), f_c(env)
