@@ -352,9 +352,9 @@ class Lowerer:
                                 "not a [V] vector", span)
             return Out(b.expr)
         if isinstance(a, St) or isinstance(b, Mat) and isinstance(a, (St, Val)):
-            raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)}; in the update S stands at the "
-                            "right end of each product (M S), and K x K factors multiply it from the left",
-                            span)
+            raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)}; in the update [K, K] factors "
+                            "multiply S from the left (M S) and [V, V] factors from the right (S N), "
+                            "e.g. S diag(exp(gv)) with gv a [V] vector", span)
         if isinstance(b, St):
             raise SpecError(f"shape mismatch: {_desc(a)} times S; a factor multiplying S from the left "
                             "must be a [K, K] matrix (I, diag(g), k k^T, ...) or a number", span)
