@@ -241,6 +241,11 @@ def kernels_text(m) -> str:
     decode = "recurrent  token by token, one launch (templates/{}recurrent.py.jinja): the decode path\n"
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
+    if m.side == "right":
+        return ("chunk      INTERIM: PyTorch's chunked UT form, autograd's backward (lrdsl/runtime/valueside.py);\n"
+                "           no chunked kernels yet for a value-side transition (S N)\n"
+                "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
+                "           the decode path\n")
     decode = decode.format("")
     from lrdsl.codegen.plan import plan
     from lrdsl.codegen.split import split_ir
