@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from test_backward import compare, describe, grad_cases
 from test_dplr import against_reference, failing, reference64, strong, tiered
 from test_recurrent import DEVICE
 
@@ -232,3 +235,66 @@ def test_layer_trains_and_decodes(mixer):
         head, cache = layer(xs[:, :6], use_cache=True)
         tail, _ = layer(xs[:, 6:], cache=cache)
         assert rms_ratio(torch.cat([head, tail], 1), y) < TOL
+
+
+# ---- slow: random value-side specs -----------------------------------------------------------------
+V_DECAYS = {"none": ("", ""), "constant": ("", "(1 - 2^(-3 - h)) I"), "scalar": ("s log", "exp(s) I"),
+            "diagonal": ("w[V] log", "diag(exp(w))")}
+# the erase (I - x y^T) or, additive, D - x y^T over value channels, and the inputs it reads
+V_ERASES = {"none": ("", []), "oja": ("(beta*v) v^T", []), "own": ("(beta*kk) kk^T", ["kk[V] l2norm"]),
+            "channel": ("(a*kk) kk^T", ["kk[V] l2norm", "a[V] in [0, 1]"])}
+V_FORMS = ("decay_first", "erase_first", "additive")
+
+
+def value_side_text(decay: str, erase: str, form: str, write: str) -> str:
+    if erase == "none":  # without an erase only a decay per value channel is of the value side (a
+        decay = "diagonal"  # number per head times I commutes with S: the frontend keeps it M S)
+    d_input, d_text = V_DECAYS[decay]
+    e_text, e_inputs = V_ERASES[erase]
+    inputs = ["q[K]", "k[K]", "v[V] l2norm", *([d_input] if d_input else []), *e_inputs]
+    inputs += ["beta in (0, 1)"] if "beta" in e_text + write else []  # every input read (gradients)
+    if e_text == "":
+        n = d_text or "I"
+    elif form == "additive":
+        n = f"({d_text or 'I'} - {e_text})"
+    else:
+        parts = [d_text, f"(I - {e_text})"] if form == "decay_first" else [f"(I - {e_text})", d_text]
+        n = " ".join(p for p in parts if p)
+    return (f"mixer vs_random\ninput {', '.join(inputs)}\nS = S {n} + {write}\no = S^T q\nallow unstable\n")
+
+
+@st.composite
+def value_side_specs(draw):
+    return value_side_text(draw(st.sampled_from(sorted(V_DECAYS))), draw(st.sampled_from(sorted(V_ERASES))),
+                           draw(st.sampled_from(V_FORMS)), draw(st.sampled_from(["beta k v^T", "k v^T"])))
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, database=None, derandomize=True,
+          phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+@given(text=value_side_specs(), drawn=grad_cases())
+def test_random_value_side_specs_match_the_reference(text, drawn):
+    """Random decays (none, per head, per token, per value channel), erases (v's own, another unit
+    direction, per-channel gains) in every order, on random shapes (packed sequences with empty ones,
+    grouped value heads, initial state, final state or not): recurrent's forward, and chunk's forward
+    and every gradient, against the float64 reference."""
+    case, output_final_state = drawn
+    mixer = lrdsl.compile(text=text)
+    assert mixer.ir.side == "right"
+    out = check_case(mixer, case, DEVICE, impls=("recurrent",))
+    assert out.ok, f"{text}{case}: {out.message}"
+    errors, failures = compare(mixer, case, output_final_state=output_final_state, seed=case.seed + 1)
+    assert not failures, f"{text}{case}: failing {describe(failures)}\nall: {describe(errors)}"
+
+
+def test_the_generator_spans_the_orders():
+    """The generator's forms reach every order of N (and none), each decay kind on the value side."""
+    orders, kinds = set(), set()
+    for d in V_DECAYS:
+        for e in V_ERASES:
+            for f in V_FORMS:
+                m = spec_to_ir(value_side_text(d, e, f, "k v^T"))
+                assert m.side == "right"
+                orders.add(m.delta.order if m.delta else None)
+                kinds.add(m.decay.kind)
+    assert orders == {None, "left", "right", "sum"} and kinds == {"identity", "constant", "scalar", "diagonal"}
