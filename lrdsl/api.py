@@ -53,7 +53,7 @@ class Mixer:
         import importlib.util
         if importlib.util.find_spec("triton") is None:
             return
-        if self.ir.side == "right":  # the value side's module: its token loop (chunk runs in PyTorch)
+        if self.ir.side == "right":  # the value side's module: its token loop and chunked forward
             self.kernels  # noqa: B018
             return
         if self.ir.reads_before:  # the parts' kernels: this readout runs around them
@@ -278,9 +278,9 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
-        if self.ir.side == "right":  # INTERIM: PyTorch's chunked UT form, autograd's backward
-            from lrdsl.runtime.valueside import torch_chunk
-            return torch_chunk(self.ir, batch)
+        if self.ir.side == "right":  # the value side's chunked forward kernel; backward INTERIM (valueside.py)
+            from lrdsl.runtime import valueside
+            return valueside.chunk(self.ir, self.kernels, batch)
         if self.ir.reads_before:
             return self._with_before("chunk", batch, initial_state, cu_seqlens_cpu)
         if self._native_rank2(batch):

@@ -242,8 +242,8 @@ def kernels_text(m) -> str:
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
     if m.side == "right":
-        return ("chunk      INTERIM: PyTorch's chunked UT form, autograd's backward (lrdsl/runtime/valueside.py);\n"
-                "           no chunked kernels yet for a value-side transition (S N)\n"
+        return ("chunk      the value side's chunked forward (templates/chunk_value.py.jinja); backward INTERIM:\n"
+                "           autograd through PyTorch's chunked form, recomputed (lrdsl/runtime/valueside.py)\n"
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
                 "           the decode path\n")
     decode = decode.format("")

@@ -1,8 +1,9 @@
 """Value-side transitions (S = S N + u z^T, N [V, V]: the gated Oja rule) on the chunked path.
 
-INTERIM: this is a differentiable PyTorch chunked implementation (the UT form below, autograd for
-the backward), not generated Triton kernels; it is named `torch_chunk` so that nobody mistakes it for
-them. The token loop of runtime/reference.py stays the float64 oracle it is tested against.
+The forward is the generated kernel (templates/chunk_value.py.jinja). INTERIM: its backward is
+autograd through `torch_chunk`, a differentiable PyTorch implementation of the same chunked UT form
+(below), recomputed in the backward; there are no backward kernels yet. The token loop of
+runtime/reference.py stays the float64 oracle both are tested against.
 
 The math. T = S^T [V, K] follows T_t = N_t^T T_{t-1} + z_t u_t^T, a key-side transition on T whose
 readout contracts T's second axis: o_t = T_t q_t. Every order of N has N^T T = D T - g (alpha^T T)
@@ -15,6 +16,8 @@ E is built from in-chunk cumulative sums over (s, t] only (a masked [C+1, C+1, V
 from differences of prefix sums nor exp(-g) of an input: a log-decay of -inf (one token or a whole
 chunk) gives exact zeros, not inf - inf."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -142,3 +145,51 @@ def torch_chunk(m: ir.Mixer, b: Batch):
         o, Tf = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
     final = Tf.transpose(-1, -2) if b.output_final_state else None
     return o.to(b.tensors["v"].dtype), final
+
+
+def chunk(m: ir.Mixer, kernels, b: Batch):
+    """mixer.chunk of a value-side spec: the generated chunked forward, differentiable in every
+    input and the initial state (through ChunkFunction where something requires grad)."""
+    names = list(m.tensor_names)
+    tensors = [b.tensors[n] for n in names]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*tensors, b.initial_state)):
+        o, ht = ChunkFunction.apply(m, kernels, b, names, b.initial_state, *tensors)
+        return o, (ht if b.output_final_state else None)
+    return _forward(kernels, b, names, tensors, b.initial_state)
+
+
+def _forward(kernels, b: Batch, names, tensors, h0):
+    inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
+    h0 = None if h0 is None else h0.to(torch.float32).contiguous()
+    cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64).contiguous()
+    return kernels.value_chunk_fwd(inputs, b.scale, h0, bool(b.output_final_state), cu)
+
+
+class ChunkFunction(torch.autograd.Function):
+    """The kernel's forward; the backward (INTERIM) recomputes torch_chunk and differentiates it."""
+
+    @staticmethod
+    def forward(ctx, m, kernels, b, names, h0, *tensors):
+        o, ht = _forward(kernels, b, names, tensors, h0)
+        ctx.m, ctx.b, ctx.names, ctx.has_h0 = m, b, names, h0 is not None
+        ctx.save_for_backward(*tensors, *([h0] if h0 is not None else []))
+        return o, (ht if ht is not None else o.new_zeros(0))
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        saved = list(ctx.saved_tensors)
+        h0 = saved.pop() if ctx.has_h0 else None
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+            h0l = None if h0 is None else h0.detach().requires_grad_(h0.requires_grad)
+            b = dataclasses.replace(ctx.b, tensors=dict(zip(ctx.names, leaves)), initial_state=h0l)
+            o, ht = torch_chunk(ctx.m, b)
+            outs, grads = [o], [do]
+            if ht is not None and dht is not None and dht.numel():
+                outs.append(ht)
+                grads.append(dht.to(ht.dtype))
+            want = [t for t in (*leaves, h0l) if t is not None and t.requires_grad]
+            got = iter(torch.autograd.grad(outs, want, grads, allow_unused=True))
+        dx = [next(got) if t.requires_grad else None for t in leaves]
+        dh0 = next(got) if h0l is not None and h0l.requires_grad else None
+        return (None, None, None, None, dh0, *dx)
