@@ -298,3 +298,17 @@ def test_the_generator_spans_the_orders():
                 orders.add(m.delta.order if m.delta else None)
                 kinds.add(m.decay.kind)
     assert orders == {None, "left", "right", "sum"} and kinds == {"identity", "constant", "scalar", "diagonal"}
+
+
+@pytest.mark.parametrize("bad", ["gv-nan", "v-inf", "k-nan"])
+def test_nonfinite_input_reaches_no_earlier_token(compiled, bad, monkeypatch):
+    """A nan or inf at token 37 of the second of two packed sequences (inside a 16-token chunk) leaves
+    every token before it as the float64 reference has them (test_nonfinite's check: chunk's o and
+    final state, finite exactly where the reference's are)."""
+    from test_nonfinite import check_causal, spoil
+    m = compiled(EXAMPLES / "oja.lr")
+    name, value, whole = {"gv-nan": ("gv", float("nan"), True), "v-inf": ("v", float("inf"), False),
+                          "k-nan": ("k", float("nan"), True)}[bad]
+    x, opts = draw_inputs(m, Case(B=1, T=60, H=1, HV=1, K=8, V=8, cu_seqlens=(0, 20, 60), initial_state=True,
+                                  seed=9), DEVICE)
+    check_causal(m, spoil(x, name, value, whole, 37), opts, 37, monkeypatch, bad)
