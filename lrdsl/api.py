@@ -53,7 +53,7 @@ class Mixer:
         import importlib.util
         if importlib.util.find_spec("triton") is None:
             return
-        if self.ir.side == "right":  # the value side's module: its token loop and chunked forward
+        if self.ir.side != "left":  # the value side's module: its token loop (and chunked forward)
             self.kernels  # noqa: B018
             return
         if self.ir.reads_before:  # the parts' kernels: this readout runs around them
@@ -133,9 +133,9 @@ class Mixer:
     @property
     def chunk_op(self):
         """The chunked kernels as one torch.library op (forward, backward, fake implementation)."""
-        if self.ir.side == "right":
-            raise InputError(f"mixer '{self.name}' has a value-side transition (S N), whose chunked path is "
-                             "PyTorch for now (runtime/valueside.py), not a kernel op: call mixer.chunk")
+        if self.ir.side != "left":
+            raise InputError(f"mixer '{self.name}' has a value-side transition (S N or M S N), whose chunk "
+                             "is not a kernel op yet (runtime/valueside.py): call mixer.chunk")
         if self._op is None:
             key = self.kernels.__name__.rsplit("_", 1)[-1]
             if self.ir.solve_lam is not None:  # the offline solve's (taken under torch.compile)
@@ -266,8 +266,8 @@ class Mixer:
                                   output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu,
                                   **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
             return o.to(v.dtype), final
-        if cp_group is not None and self.ir.side == "right":
-            raise InputError(f"mixer '{self.name}' has a value-side transition (S N), which context "
+        if cp_group is not None and self.ir.side != "left":
+            raise InputError(f"mixer '{self.name}' has a value-side transition (S N or M S N), which context "
                              "parallelism does not support yet: call chunk without cp_group")
         if cp_group is not None:
             from lrdsl.runtime import cp
@@ -281,6 +281,9 @@ class Mixer:
         if self.ir.side == "right":  # the value side's chunked forward kernel; backward INTERIM (valueside.py)
             from lrdsl.runtime import valueside
             return valueside.chunk(self.ir, self.kernels, batch)
+        if self.ir.side == "both":  # INTERIM: M S N's chunk is the reference's float32 token loop
+            from lrdsl.runtime.valueside import two_sided_chunk
+            return two_sided_chunk(self.ir, batch)
         if self.ir.reads_before:
             return self._with_before("chunk", batch, initial_state, cu_seqlens_cpu)
         if self._native_rank2(batch):

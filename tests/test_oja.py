@@ -168,8 +168,9 @@ def test_checker_refuses_an_expanding_value_side_transition():
 
 
 ERRORS = {
-    "two_sided": ("S = (I - beta k k^T) S diag(exp(w)) + k v^T", "two-sided transitions M S N"),
-    "two_sided_other_way": ("S = (I - beta k k^T) (S diag(exp(w))) + k v^T", "two-sided transitions M S N"),
+    "sum_with_two_sided": ("S = (I - beta k k^T) S diag(exp(w)) + S diag(exp(w)) + k v^T",
+                           "a sum of transitions with a two-sided one"),
+    "write_inside_two_sided": ("S = (I - beta k k^T) (S diag(exp(w)) + k v^T)", "write M S N + k v^T"),
     "v_matrix_on_the_left": ("S = diag(exp(w)) S + k v^T", "cannot multiply S ([K, V]) from the left"),
     "k_matrix_on_the_right": ("S = S (I - beta k k^T) + k v^T", "a factor on its right is a [V, V] matrix"),
     "write_times_n": ("S = (S + k v^T) diag(exp(w))", "the write is added after the transition"),

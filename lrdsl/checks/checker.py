@@ -202,6 +202,8 @@ def _as_bool(status: str, yes: str = PROVED):
 
 
 def check(mixer: ir.Mixer) -> dict:
+    if mixer.side == "both":
+        return _check_two_sided(mixer)
     an = analyse(mixer)
     notes, eig, enclosed = list(an["notes"]), an["eig"], an["proved"]
     if mixer.side == "right":  # the facts of N are those of M: ||S N|| <= ||S|| ||N|| bounds the state alike
@@ -279,6 +281,35 @@ def check(mixer: ir.Mixer) -> dict:
         out["solve_well_posed"] = _solve_well_posed(mixer, notes)
         out["cg"] = cg_fact(mixer, notes)
     return out
+
+
+def _check_two_sided(mixer: ir.Mixer) -> dict:
+    """M S N: vec(S) moves by N^T (x) M, whose eigenvalues are the products of M's and N's and whose
+    norm is ||M|| ||N||. So each fact is proved where both factors have it; a witness of one factor
+    alone proves nothing of the product (the other may shrink it), so the rest stays unknown."""
+    m, n = check(mixer.left_part()), check(mixer.right_part())
+    both = lambda key: PROVED if m["facts"][key] == PROVED and n["facts"][key] == PROVED else UNKNOWN
+    facts = {key: both(key) for key in ("stable", "spectral_norm_le_1", "bounded_state")}
+    if m["eigenvalues"]["proved"] and n["eigenvalues"]["proved"]:
+        lo_hi = lambda r: (-INF if r["eigenvalues"]["min"] is None else r["eigenvalues"]["min"],
+                           INF if r["eigenvalues"]["max"] is None else r["eigenvalues"]["max"])
+        eig = _mul(lo_hi(m), lo_hi(n))
+    else:
+        eig = FULL
+    # a negative eigenvalue of the product needs one factor's negative eigenvalue times a positive one
+    nonneg = lambda r: r["eigenvalues"]["proved"] and r["eigenvalues"]["min"] is not None and r["eigenvalues"]["min"] >= 0
+    facts["negative_eigenvalues"] = DISPROVED if nonneg(m) and nonneg(n) else UNKNOWN
+    notes = ["S = M S N + write: vec(S) moves by N^T (x) M, whose eigenvalues are the products of M's and N's "
+             "and whose spectral norm is ||M|| ||N||; a fact is proved where M and N both have it."]
+    notes += [f"M: {x}" for x in m["notes"]] + [f"N: {x}" for x in n["notes"]]
+    return {
+        "eigenvalues": {"min": _json(eig[0]), "max": _json(eig[1]),
+                        "proved": bool(m["eigenvalues"]["proved"] and n["eigenvalues"]["proved"])},
+        "facts": facts, "witnesses": {}, "spectral_norm_le_1": facts["spectral_norm_le_1"],
+        "bounded_state": facts["bounded_state"], "counterexample": None,
+        "negative_eigenvalues": _as_bool(facts["negative_eigenvalues"]), "stable": _as_bool(facts["stable"]),
+        "contraction": _as_bool(facts["spectral_norm_le_1"]), "notes": notes,
+    }
 
 
 def _growing_cycle(num, step: dict | None):
@@ -369,6 +400,13 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
         return bad_cg
     if result["facts"]["stable"] == PROVED or mixer.allow_unstable:
         return None
+    if mixer.side == "both":  # name the factor whose eigenvalues are not proved inside [-1, 1]
+        for name, part in (("M", mixer.left_part()), ("N", mixer.right_part())):
+            why = stability_error(part, check(part))
+            if why:
+                return f"in the two-sided M S N, {name}'s {why}"
+        return ("the eigenvalues of the two-sided M S N could not be proved inside [-1, 1]; or add "
+                "`allow unstable`")
     w = result["witnesses"].get("stable")
     seen = (f"an admissible token reaches spectral radius {w['value']:.7g} at {_describe(w)}" if w else
             "no admissible token with an eigenvalue outside [-1, 1] was found either")

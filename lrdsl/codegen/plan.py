@@ -211,6 +211,12 @@ class Plan:
     # "right": the transition multiplies the state's rows from the right (S N, the value side): d_t,
     # e_a and e_c are [V] vectors, and the module has the value-side kernels alone
     side: str = "left"
+    # side "both" (M S N): N's decay kind, decay, order and erase directions (M's are the fields above)
+    n_decay_kind: str = ""
+    n_decay: str = ""
+    n_order: str = ""
+    n_erase_a: str = ""
+    n_erase_c: str = ""
     log_decay_floor: float = -20.0  # see _floored
     # a non-finite input reaches no earlier token in the chunked forward (common.jinja's
     # nonfinite_helpers); off: plain products, which spread its nan over its whole chunk
@@ -452,7 +458,17 @@ def plan(m: ir.Mixer) -> Plan:
         stored_lets=stored_lets,
         aux_lets=tuple(var(lt.name) for lt in aux_lets),
         side=m.side,
+        **_n_fields(m),
     )
+
+
+def _n_fields(m: ir.Mixer) -> dict:
+    """Plan fields of a two-sided mixer's N (none for the others)."""
+    if m.side != "both":
+        return {}
+    n = m.right_part()
+    return dict(n_decay_kind=n.decay.kind, n_decay=code(n.decay.value), n_order=n.delta.order if n.delta else "",
+                n_erase_a=code(n.delta.a) if n.delta else "", n_erase_c=code(n.delta.c) if n.delta else "")
 
 
 

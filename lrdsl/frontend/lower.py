@@ -214,7 +214,7 @@ class Lowerer:
             return Mat(a.terms + self.scale(b, sign, n.span).terms, _dims(a, b, n.span))
         if isinstance(a, St) and isinstance(b, St):
             b = self.scale(b, sign, n.span)
-            return St(a.carried + b.carried, a.writes + b.writes, _sides(a, b, n.span))
+            return St(a.carried + b.carried, a.writes + b.writes, _sides(a, b, n.span), a.right or b.right)
         hint = "; write I for the identity matrix" if {type(a), type(b)} == {Val, Mat} else ""
         raise SpecError(f"cannot {'add' if sign == 1 else 'subtract'} {_desc(b)} "
                         f"{'to' if sign == 1 else 'from'} {_desc(a)}{hint}", n.span)
@@ -263,7 +263,8 @@ class Lowerer:
             return Mat(tuple(("diag", s * t[1]) if t[0] == "diag" else ("outer", s * t[1], t[2])
                              for t in x.terms), x.dim)
         if isinstance(x, St):
-            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes), x.side)
+            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes), x.side,
+                      x.right)
         if isinstance(x, Out):
             return Out(s * x.query, x.lam, s * x.prev, tuple((k, e, s * z) for k, e, z in x.bonus))
         if isinstance(x, Dot):
@@ -324,8 +325,13 @@ class Lowerer:
             if a.dim == "V":
                 raise SpecError("shape mismatch: a [V, V] matrix cannot multiply S ([K, V]) from the left; "
                                 "value-side factors stand on the right, S N (e.g. S diag(exp(gv)))", span)
-            if a.dim == "K" and b.side == "right" and not _identity(b.carried):
-                raise _two_sided(span)
+            if a.dim == "K" and b.side == "right":  # M (S N): two-sided
+                if b.writes:
+                    raise SpecError("the write is added after the transition: write M S N + k v^T", span)
+                return St(a.terms, (), "both", b.carried)
+            if b.side == "both" and not b.writes:  # M' (M S N)
+                return St(tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried), (), "both",
+                          b.right)
             carried = tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried)
             writes = []
             for s in a.terms:
@@ -368,8 +374,10 @@ class Lowerer:
         if a.writes:
             raise SpecError("the write is added after the transition: write S N + k v^T, not (S + k v^T) N",
                             span)
-        if a.side == "left" and not _identity(a.carried):
-            raise _two_sided(span)
+        if a.side == "left" and b.dim == "V":  # (M S) N: two-sided
+            return St(a.carried, (), "both", b.terms)
+        if a.side == "both":  # (M S N) N'
+            return St(a.carried, (), "both", tuple(self.term_product(t, s, span) for t in a.right for s in b.terms))
         carried = tuple(self.term_product(t, s, span) for t in a.carried for s in b.terms)
         return St(carried, (), "right" if b.dim == "V" else a.side)
 
@@ -404,20 +412,13 @@ def _dims(a: Mat, b: Mat, span) -> str:
 
 
 def _sides(a: St, b: St, span) -> str:
+    if "both" in (a.side, b.side) and a.carried and b.carried:
+        raise SpecError("a sum of transitions with a two-sided one (M S N + ...) is not one product; lrdsl "
+                        "compiles M S N + k v^T with M and N each diagonal plus rank 1", span)
     if a.side and b.side and a.side != b.side:
         raise SpecError("the update adds a transition from the left (M S) to one from the right (S N); "
                         "lrdsl compiles one of the two forms, M S + k v^T or S N + k v^T", span)
     return a.side or b.side
-
-
-def _identity(carried: tuple) -> bool:
-    """Carried terms that are one number per head times I (they commute with either side)."""
-    return all(t[0] == "diag" and not t[1].free_symbols - {ir.HEAD} for t in carried)
-
-
-def _two_sided(span) -> SpecError:
-    return SpecError("two-sided transitions M S N (a [K, K] factor on the left and a [V, V] one on the "
-                     "right) are not supported yet; write M S + k v^T or S N + k v^T", span)
 
 
 def lower(spec: Spec) -> ir.Mixer:
@@ -481,7 +482,7 @@ def lower(spec: Spec) -> ir.Mixer:
         raise SpecError("the spec has no update of the state; add a line like `S = S + k v^T`", spec.span)
     if readout is None:
         raise SpecError("the spec has no readout; add the line `o = S^T q`", spec.span)
-    decay, delta, write, side = transition(lw, update)
+    decay, delta, write, side, n = transition(lw, update)
     out = lw.expr(readout.expr)
     if not isinstance(out, Out):
         raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
@@ -507,8 +508,9 @@ def lower(spec: Spec) -> ir.Mixer:
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
                  readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow,
-                 query_prev=out.prev, bonus=bonus, side=side)
-    if side == "right":
+                 query_prev=out.prev, bonus=bonus, side=side, n_decay=n[0] if n else None,
+                 n_delta=n[1] if n else None)
+    if side != "left":
         _check_value_side(m, update.span, readout.span)
     check_constants(m, update.span)
     return m

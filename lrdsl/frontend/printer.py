@@ -122,7 +122,10 @@ def param_decl(p: ir.Param) -> str:
 
 
 def transition(m: ir.Mixer) -> str:
-    """The transition M_t as spec text (without the trailing S)."""
+    """The transition M_t as spec text (without the trailing S); a two-sided one's "M S N" in full."""
+    if m.side == "both":
+        M, N = transition(m.left_part()), transition(m.right_part())
+        return " ".join(t for t in (M if M != "I" else "", "S", N if N != "I" else "") if t)
     d = m.decay
     if d.kind == "diagonal":
         dtext = f"diag({expr(d.value)})"
@@ -151,7 +154,7 @@ def explicit(m: ir.Mixer) -> str:
     for lt in m.lets:
         lines.append(f"let {lt.name} = {expr(lt.expr)}")
     t = transition(m)
-    carried = "S" if t == "I" else f"S {t}" if m.side == "right" else f"{t} S"
+    carried = "S" if t == "I" else t if m.side == "both" else f"S {t}" if m.side == "right" else f"{t} S"
     lines.append(f"S = {carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T")
     lines.append(f"o = {readout(m)}")
     if m.solve_lam is not None and m.solve_steps != ir.Mixer.solve_steps:
@@ -185,6 +188,13 @@ def _dot(b: ir.Bonus) -> str:
 
 def canonical(m: ir.Mixer) -> str:
     """The canonical form in words: decay class, erase factor, write, readout."""
+    if m.side == "both":  # M's lines, then N's
+        M, N = (canonical(p).splitlines() for p in (m.left_part(), m.right_part()))
+        out = [line for line in M if line.startswith(("decay", "erase"))]
+        out += [line for line in N if line.startswith(("decay", "erase"))]
+        out.append("side    both      S = M S N + write (M [K, K] from the left, N [V, V] from the right)")
+        out += [line for line in M if not line.startswith(("decay", "erase"))]
+        return "\n".join(out) + "\n"
     d = m.decay
     out = [f"decay   {d.kind:9s} D = {expr(d.value) if d.kind != 'identity' else 'I'}"]
     if m.delta is None:

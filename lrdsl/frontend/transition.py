@@ -15,6 +15,8 @@ from lrdsl.frontend.values import describe as _desc
 
 
 def transition(lw, update: Update):
+    """(decay, delta, write, side, n): M's (or, on the value side, N's) canonical decay and erase,
+    the write, the side ("left", "right" or "both") and, for a two-sided M S N, N's (decay, delta)."""
     val = lw.expr(update.expr)
     if not isinstance(val, St):
         raise SpecError(f"the update must be a [K, V] expression in S, like M S + k v^T; this is "
@@ -22,9 +24,24 @@ def transition(lw, update: Update):
     span = update.span
     if not val.carried:
         raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
+    side = val.side if val.side in ("right", "both") else "left"
+    decay, delta = _canonical(lw, val.carried, span, "right" if side == "right" else "left")
+    n = _canonical(lw, val.right, span, "right") if side == "both" else None
+    writes = _combine(list(val.writes), lw, span, "write")
+    if not writes:
+        raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
+    (key, value), = writes
+    vsyms = [lw.symbols[n_] for n_, k in lw.kinds.items() if k == "V"]
+    coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
+    return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart), side, n
+
+
+def _canonical(lw, carried, span, side: str):
+    """One side's transition as (Decay, Delta or None): M over key channels (side "left") or N over
+    value channels (side "right")."""
     diag = sp.Integer(0)
     outers = []
-    for t in val.carried:
+    for t in carried:
         if t[0] == "diag":
             diag += t[1]
         else:
@@ -34,7 +51,6 @@ def transition(lw, update: Update):
     if d == 0:
         raise SpecError("the transition has no diagonal part (no I, diag(...) or scalar times S); the "
                         "accepted forms are (I - a c^T) D S and D (I - a c^T) S", span)
-    side = "right" if val.side == "right" else "left"
     chan, other = ("V", "K") if side == "right" else ("K", "V")  # the channels N (or M) runs over
     for sym in d.free_symbols:
         if lw.kinds.get(str(sym)) == other:
@@ -76,13 +92,7 @@ def transition(lw, update: Update):
             delta = ir.Delta(delta.a, delta.c, "left")
         if inverse(delta):
             delta = per_head_in_a(ir.Delta(-u, e, "sum"))
-    writes = _combine(list(val.writes), lw, span, "write")
-    if not writes:
-        raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
-    (key, value), = writes
-    vsyms = [lw.symbols[n] for n, k in lw.kinds.items() if k == "V"]
-    coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
-    return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart), side
+    return decay, delta
 
 
 def _divides_by_decay(x, d, kinds: dict, chan: str = "K") -> bool:

@@ -31,8 +31,9 @@ class St:  # [K, V]: carried terms (Mat terms multiplying S) and writes ((u, z),
     carried: tuple
     writes: tuple
     # which side the carried terms multiply S from: "left" (M S, [K, K] terms), "right" (S N, [V, V]
-    # terms), "" while they are the identity alone (plain S)
+    # terms), "both" (M S N: carried M's terms, right N's), "" while they are numbers times I (plain S)
     side: str = ""
+    right: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,10 @@ def scan(m: ir.Mixer, b: Batch):
     f_lam = to_torch(m.solve_lam) if m.solve_lam is not None else None
     f_a = to_torch(m.delta.a) if m.delta else None
     f_c = to_torch(m.delta.c) if m.delta else None
+    right = m.right_part() if m.side == "both" else None  # a two-sided M S N: N after M
+    if right is not None:
+        f_nd = to_torch(right.decay.value)
+        f_na, f_nc = (to_torch(right.delta.a), to_torch(right.delta.c)) if right.delta else (None, None)
     head = torch.arange(b.HV, device=dev, dtype=dtype).view(1, b.HV, 1)
     outs, finals, aux_finals = [], [], []
     for n, (bi, bos, eos) in enumerate(b.sequences()):
@@ -151,6 +155,9 @@ def scan(m: ir.Mixer, b: Batch):
                     S = d * S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True)
                 else:
                     S = d * (S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True))
+            if right is not None:
+                dn = torch.as_tensor(f_nd(env), dtype=dtype, device=dev)
+                S = _right_transition(right, S, dn.unsqueeze(-2) if dn.dim() else dn, f_na, f_nc, env)
             key, val = f_key(env), f_val(env)
             S = S + torch.as_tensor(key).unsqueeze(-1) * torch.as_tensor(val).unsqueeze(-2)
             qv = torch.as_tensor(f_q(env)) * b.scale

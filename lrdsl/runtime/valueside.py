@@ -193,3 +193,12 @@ class ChunkFunction(torch.autograd.Function):
         dx = [next(got) if t.requires_grad else None for t in leaves]
         dh0 = next(got) if h0l is not None and h0l.requires_grad else None
         return (None, None, None, None, dh0, *dx)
+
+
+def two_sided_chunk(m: ir.Mixer, b: Batch):
+    """INTERIM chunk of a two-sided M S N: the reference's token loop (runtime/reference.py) in the
+    compute dtype (float32, float64 for float64 inputs), differentiable through autograd. No chunked
+    form yet: M's and N's products within a chunk are independent (S_t = L S_0 R + sum L u z^T R), which
+    a chunked form would use."""
+    from lrdsl.runtime.reference import scan
+    return scan(m, b)
