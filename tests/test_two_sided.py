@@ -5,8 +5,13 @@ the reference's float32 token loop), with packed sequences, grouped value heads 
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from test_backward import compare, describe, grad_cases
 from test_dplr import against_reference, failing, reference64
 from test_recurrent import DEVICE
 
@@ -135,3 +140,37 @@ def test_context_parallelism_refuses_clearly(mixer):
     x, _ = draw_inputs(m, Case(B=1, T=4, H=1, HV=1, K=4, V=4))
     with pytest.raises(InputError, match="context parallelism does not support"):
         m.chunk(**x, cp_group=object())
+
+
+# ---- slow: random two-sided specs ------------------------------------------------------------------
+M_FORMS = {"decay": "diag(exp(g))", "scalar": "exp(s)", "kda": "(I - beta k k^T) diag(exp(g))",
+           "after": "diag(exp(g)) (I - beta k k^T)", "additive": "(diag(exp(g)) - (a*kk) kk^T)"}
+N_FORMS = {"decay": "diag(exp(gv))", "oja": "diag(exp(gv)) (I - beta v v^T)",
+           "before": "(I - beta v v^T) diag(exp(gv))", "additive": "(diag(exp(gv)) - (b*vv) vv^T)"}
+
+
+def random_text(m_form: str, n_form: str) -> str:
+    M, N = M_FORMS[m_form], N_FORMS[n_form]
+    body = f"{M} S {N}"
+    names = {"g": "g[K] log", "s": "s log", "gv": "gv[V] log", "beta": "beta in (0, 1)", "a": "a[K] in [0, 1]",
+             "kk": "kk[K] l2norm", "b": "b[V] in [0, 1]", "vv": "vv[V] l2norm"}
+    used = [d for n, d in names.items() if re.search(rf"\b{n}\b", body)]
+    return (f"mixer ts_random\ninput q[K], k[K] l2norm, v[V] l2norm, {', '.join(used)}\nS = {body} + k v^T\n"
+            "o = S^T q\nallow unstable\n")
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, database=None, derandomize=True,
+          phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+@given(m_form=st.sampled_from(sorted(M_FORMS)), n_form=st.sampled_from(sorted(N_FORMS)), drawn=grad_cases())
+def test_random_two_sided_specs_match_the_reference(m_form, n_form, drawn):
+    """Every form of M beside every form of N on random shapes: recurrent's forward, and chunk's
+    forward and every gradient, against the float64 reference."""
+    text = random_text(m_form, n_form)
+    case, output_final_state = drawn
+    mixer = lrdsl.compile(text=text)
+    assert mixer.ir.side == ("right" if m_form == "scalar" else "both")  # a number per head commutes: S N
+    out = check_case(mixer, case, DEVICE, impls=("recurrent",))
+    assert out.ok, f"{text}{case}: {out.message}"
+    errors, failures = compare(mixer, case, output_final_state=output_final_state, seed=case.seed + 1)
+    assert not failures, f"{text}{case}: failing {describe(failures)}"
