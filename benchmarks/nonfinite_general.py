@@ -3,10 +3,13 @@
 Three rows per spec, at the benchmark shape in bf16 (forward and forward + backward, wall ms by
 triton's do_bench, and GPU ms of the kernels alone):
   guarded  the kernels as generated: plain products over a chunk's tokens, the causal product only
-           where a plain one is not finite (common.jinja's _guarded_dot), and the backward's check
-           of the inputs for non-finite entries (runtime/nonfinite.py: one reduction per input and
-           one wait for the device per backward);
-  no-check the same kernels, the backward's check skipped (nonfinite.bad_entries answers None);
+           where a plain one is not finite (common.jinja's _guarded_dot), and the backward's guard
+           on the device (runtime/nonfinite.py's MODE "device": finite copies of the inputs, flags
+           read by the kernels, no wait for the device; since 2026-12-06);
+  host     the same, the backward's guard read back instead (MODE "host": one reduction per input
+           and one wait for the device per backward, copies only for a bad batch);
+  no-check the same kernels, the backward's check skipped (MODE "host", nonfinite.bad_entries
+           answers None);
   plain    the plan's causal_nonfinite off: no guard at all (plain products), no check.
 Run it at this commit and at one before the guard (e.g. 4e7fc30, where every chunk took the causal
 products; that commit has no runtime/nonfinite.py, and its no-check row is its guarded one) to
@@ -40,19 +43,21 @@ def _compiled(spec, causal):
     return mixer
 
 
-def _timed(mixer, shape, check):
+def _timed(mixer, shape, check, mode="device"):
     try:
         from lrdsl.runtime import nonfinite
     except ImportError:  # before the backward's check
         nonfinite = None
-    saved = nonfinite.bad_entries if nonfinite else None
+    saved = (nonfinite.bad_entries, getattr(nonfinite, "MODE", None)) if nonfinite else None
+    if nonfinite:
+        nonfinite.MODE = mode if check else "host"  # (a MODE set before it existed does nothing)
     if nonfinite and not check:
         nonfinite.bad_entries = lambda *args: None
     try:
         return measure(lambda t: mixer.chunk(**t)[0], draw(mixer, shape), shape, True)
     finally:
         if nonfinite:
-            nonfinite.bad_entries = saved
+            nonfinite.bad_entries, nonfinite.MODE = saved
 
 
 def main():
@@ -65,9 +70,9 @@ def main():
     print(f"{'spec':28s} {'variant':9s} {'fwd ms':>8s} {'fwd gpu':>8s} {'f+b ms':>8s} {'f+b gpu':>8s}")
     for spec in args.specs:
         guarded, plain = _compiled(spec, True), _compiled(spec, False)
-        for name, mixer, check in (("guarded", guarded, True), ("no-check", guarded, False),
-                                   ("plain", plain, False)):
-            r = _timed(mixer, shape, check)
+        for name, mixer, check, mode in (("guarded", guarded, True, "device"), ("host", guarded, True, "host"),
+                                         ("no-check", guarded, False, "host"), ("plain", plain, False, "host")):
+            r = _timed(mixer, shape, check, mode)
             print(f"{spec:28s} {name:9s} {r['fwd_ms']:8.3f} {r['fwd_gpu_ms']:8.3f} {r['both_ms']:8.3f} "
                   f"{r['both_gpu_ms']:8.3f}", flush=True)
 

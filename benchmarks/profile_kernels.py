@@ -2,6 +2,7 @@
 
 Usage (device machine): python benchmarks/profile_kernels.py SPEC [SPEC ...] [--backward] [--shape B,T,H,K,V] [--fla]
        [--set NAME=INT ...]
+(`lrdsl bench --per-kernel` prints lrdsl's kernels' GPU time and share of the call beside its table.)
 Shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise, bf16. --set sets a module-level
 constant of each spec's generated module before the first call (a host-side switch such as
 FUSED_OUTPUT=0, to time two paths in one run). Prints torch.profiler's table per
@@ -15,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import lrdsl
 from lrdsl.bench import Shape, _prenormalisable, _unit, draw, parse_shape, twin
+from lrdsl.roofline import kernel_table
 
 
 def table(title, f, x, backward):
@@ -37,6 +39,8 @@ def table(title, f, x, backward):
         torch.cuda.synchronize()
     print(f"\n{title} ({'forward + backward' if backward else 'forward'}):")
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=36))
+    kernels = [(e.key, e.self_device_time_total / 1000.0, e.count) for e in p.key_averages() if e.self_device_time_total > 0]
+    print(kernel_table(kernels, sum(k[1] for k in kernels)))  # each kernel's share of the call
 
 
 backward, with_fla = "--backward" in sys.argv, "--fla" in sys.argv

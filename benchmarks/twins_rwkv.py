@@ -14,6 +14,10 @@ its op alone on arguments made beforehand, every normalisation done outside. A l
 (unless --no-bounded) times rwkv7 on decays in RWKV-7's own range, w = -0.6 sigmoid(x), with FLA
 told that bound (lower_bound=-0.6, which licenses its 64-token chunks and tensor-core scheme, off by
 default); lrdsl runs the same spec on the same tensors.
+
+rwkv6's chunk reads S_prev and the bonus inside the staged kernels (plan.readout_before, one chunk
+pass); a row per shape (unless --no-parts) times it the way it ran before 2026-12-06, the parts
+around the kernels (Mixer._with_before: a shifted second chunk call and the bonus in PyTorch).
 """
 from __future__ import annotations
 
@@ -57,21 +61,31 @@ def fla_calls(mixer, x: dict, extra: dict) -> list:
     return calls
 
 
-def row(mixer, s: Shape, label: str, bounded: bool) -> dict:
+def parts_chunk(mixer):
+    """mixer.chunk as its readout of the state before the update ran around the kernels (the
+    parts: Mixer._with_before), for the row that compares it with the fused route."""
+    def chunk(q, k, v, **inputs):
+        batch = mixer._validate(q, k, v, inputs, None, None, False, None)
+        return mixer._with_before("chunk", batch, None)
+    return chunk
+
+
+def row(mixer, s: Shape, label: str, bounded: bool, parts: bool = False) -> dict:
     x = draw(mixer, s)
+    chunk = parts_chunk(mixer) if parts else mixer.chunk
     extra = {}
     if bounded:  # RWKV-7's range for the decay, and FLA told it
         gen = torch.Generator(device="cuda").manual_seed(1)
         x["w"] = W_MIN * torch.sigmoid(torch.randn(x["w"].shape, generator=gen, device="cuda"))
         extra = {"lower_bound": W_MIN}
     out = {"mixer": label, "shape": s, "twin": TWINS[mixer.name][0]}
-    out["lrdsl"] = measure(lambda t: mixer.chunk(**t)[0], x, s, True)
+    out["lrdsl"] = measure(lambda t: chunk(**t)[0], x, s, True)
     log(f"  {label}: lrdsl {out['lrdsl']}")
     try:
         _fla_compiles_at_once()
         calls = fla_calls(mixer, x, extra)
         with torch.no_grad():
-            out["rms"] = rms_ratio(mixer.chunk(**x)[0], calls[0][1](x))
+            out["rms"] = rms_ratio(chunk(**x)[0], calls[0][1](x))
         best = {}
         for name, f, tensors in calls:
             r = measure(f, tensors, s, True)
@@ -115,6 +129,8 @@ def main() -> int:
     p.add_argument("--shapes", default="4,4096,16,128,128 1,16384,32,128,128", help="B,T,H,K,V ...")
     p.add_argument("--no-bounded", dest="bounded", action="store_false",
                    help="leave out rwkv7 on RWKV-7's decay range with FLA's lower_bound")
+    p.add_argument("--no-parts", dest="parts", action="store_false",
+                   help="leave out rwkv6 through the parts around the kernels (the path before the fused readout)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         log("benchmarks/twins_rwkv.py times GPU kernels, and torch sees no CUDA device")
@@ -123,19 +139,21 @@ def main() -> int:
     shapes = [parse_shape(t) for t in a.shapes.split()]
     jobs = []
     for s in shapes:
-        jobs += [(s, path, False) for path in a.spec]
-        jobs += [(s, path, True) for path in a.spec if a.bounded and path.endswith("rwkv7.lr")]
+        jobs += [(s, path, "") for path in a.spec]
+        jobs += [(s, path, "bounded") for path in a.spec if a.bounded and path.endswith("rwkv7.lr")]
+        jobs += [(s, path, "parts") for path in a.spec if a.parts and path.endswith("rwkv6.lr")]
     rows = []
 
     def stop(signum, frame):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
     try:
-        for i, (s, path, bounded) in enumerate(jobs):
+        for i, (s, path, variant) in enumerate(jobs):
             mixer = lrdsl.compile(path)
-            label = mixer.name + (f" (w > {W_MIN}, FLA lower_bound)" if bounded else "")
+            label = mixer.name + {"bounded": f" (w > {W_MIN}, FLA lower_bound)", "parts": " (parts around the kernels)",
+                                  "": " (fused readout)" if mixer._fused else ""}[variant]
             log(f"[{i + 1}/{len(jobs)}] {label} at {s}: compiling, tuning, timing")
-            rows.append(row(mixer, s, label, bounded))
+            rows.append(row(mixer, s, label, variant == "bounded", variant == "parts"))
             log("  row: " + table_row(rows[-1]))
     except KeyboardInterrupt:
         log(f"stopped: the table holds {len(rows)} of {len(jobs)} rows")

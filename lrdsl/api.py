@@ -24,7 +24,10 @@ class Mixer:
         self._kernels = None
         self._op = None
         self._split = None
+        self._product = None
+        self._product_plan = None
         self._parts_cache = None
+        self._fused_cache = None
         self.source = source
         self.filename = filename
 
@@ -56,10 +59,15 @@ class Mixer:
         if self.ir.side != "left":  # the value side's module: its token loop (and chunked forward)
             self.kernels  # noqa: B018
             return
-        if self.ir.reads_before:  # the parts' kernels: this readout runs around them
+        if self.ir.steps:  # a product of steps runs on its sub-mixer's kernels, its inputs made by the plan
+            self.product_plan  # noqa: B018 (made here: sympy must not run under torch.compile's tracing)
+            self.product._load_kernels()
+        elif self.ir.reads_before:  # the parts' kernels: this readout runs around them
             for part in self._parts[:2]:
                 if part is not None:
                     part._load_kernels()
+            if self._fused:  # and chunk's own, which read it in one pass
+                self.chunk_op  # noqa: B018
         elif self.ir.solve_lam is None:
             self.chunk_op  # noqa: B018 (generates, caches and registers the kernels)
             if self.split is not None:  # and the split spec's, which chunk runs where it can
@@ -88,7 +96,7 @@ class Mixer:
         return tuple(p.name for p in self.ir.params)
 
     def __repr__(self) -> str:
-        return f"<lrdsl.Mixer {self.name}: {printer.transition(self.ir)} S + write>"
+        return f"<lrdsl.Mixer {self.name}: {printer.product(self.ir)} S + write>"
 
     def explicit(self) -> str:
         return printer.explicit(self.ir)
@@ -119,11 +127,24 @@ class Mixer:
         return self._parts_cache
 
     @property
+    def _fused(self) -> bool:
+        """The staged kernels read this spec's readout of the state before the update themselves
+        (codegen/readouts.py's fused): chunk takes them where the keys fit them."""
+        if self._fused_cache is None:
+            from lrdsl.codegen.readouts import fused
+            self._fused_cache = self.ir.reads_before and fused(self.ir) is not None
+        return self._fused_cache
+
+    @property
     def kernels(self):
         """The generated module (kernels and host wrappers), loaded from the on-disk cache. For a
         readout with S_prev or dot-product terms: the module of its first part (lrdsl.Mixer runs
-        the readout around the parts' kernels)."""
-        if self.ir.reads_before:
+        the readout around the parts' kernels), unless the staged kernels read it themselves
+        (Mixer._fused): then its own, whose chunk alone reads it (its general kernels read S^T y).
+        For a product of steps: its sub-token mixer's."""
+        if self.ir.steps:
+            return self.product.kernels
+        if self.ir.reads_before and not self._fused:
             return next(p for p in self._parts[:2] if p is not None).kernels
         if self._kernels is None:  # not a cached_property: its lock breaks torch.compile graphs
             from lrdsl.runtime.loader import load
@@ -136,6 +157,8 @@ class Mixer:
         if self.ir.side != "left":
             raise InputError(f"mixer '{self.name}' has a value-side transition (S N or M S N), whose chunk "
                              "is not a kernel op yet (runtime/valueside.py): call mixer.chunk")
+        if self.ir.steps:
+            return self.product.chunk_op
         if self._op is None:
             key = self.kernels.__name__.rsplit("_", 1)[-1]
             if self.ir.solve_lam is not None:  # the offline solve's (taken under torch.compile)
@@ -161,6 +184,9 @@ class Mixer:
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.recurrent(self, batch)
+        if self.ir.steps:
+            from lrdsl.runtime import product
+            return product.run(self, "recurrent", batch)
         if self.ir.reads_before:
             return self._with_before("recurrent", batch, initial_state)
         if self._whole_state(batch):
@@ -205,19 +231,33 @@ class Mixer:
         from lrdsl.runtime.tensors import MixerState
         return MixerState(S, {a.name: t for a, t in zip(self.ir.aux, aux)})
 
-    def step(self, q, k, v, state, scale=None, **inputs):
+    def step(self, q, k, v, state, scale=None, out=None, return_states=False, states_out=None, **inputs):
         """Decode: run the recurrent kernel over the given tokens and update `state` in place.
 
         state is the float32 [B, HV, K, V] state (contiguous); returns o [B, T, HV, V]. Each program
-        reads its tile of the state before it writes it back, so no copy is made."""
+        reads its tile of the state before it writes it back, so no copy is made. out: o's buffer
+        (written, no new tensor). return_states=True also returns the state after every token, for a
+        verifier of speculative decoding to roll back to (accept): (o, states), states float32
+        [B, T, HV, K, V], or a MixerState of such per-token tensors ([B, T, HV, K|V] for each auxiliary
+        state); states_out: a buffer of that form to write them into. No host synchronisation and, with
+        out and states_out, no new tensors (but a mixer with auxiliary states): capturable in a CUDA graph."""
         import torch
 
         from lrdsl.runtime.tensors import MixerState
         if self.ir.solve_lam is not None:
+            if return_states or states_out is not None or out is not None:
+                raise InputError(f"mixer '{self.name}' reads its state through an offline solve, whose step "
+                                 "takes no out=, return_states= or states_out= yet: call step one token at a "
+                                 "time and keep copies of the state to roll back to")
             from lrdsl.runtime import offline
             return offline.step(self, q, k, v, state, scale, inputs)
         if self.ir.reads_before:
-            return self._step_before(q, k, v, state, scale, inputs)
+            return self._step_before(q, k, v, state, scale, inputs, out, return_states, states_out)
+        if self.ir.steps:
+            from lrdsl.runtime import product
+            batch = self._validate(q, k, v, inputs, scale, state, True, None)
+            return product.step(self, batch, state, _step_out(out, batch, v.dtype, v.device), return_states,
+                                states_out)
         whole = state
         if isinstance(state, MixerState):
             state = state.S
@@ -240,22 +280,95 @@ class Mixer:
                              "float32 tensor")
         if torch.is_grad_enabled() and any(t.requires_grad for t in [*batch.tensors.values(), state, *aux]):
             raise InputError("step() is the decode path and is forward-only; call it under torch.no_grad()")
+        out = _step_out(out, batch, v.dtype, v.device)
+        every = self._states_buffer(batch, states_out, v.device) if (return_states or states_out is not None) else None
+        S_all, aux_all = (every.S, [every.aux[a.name] for a in self.ir.aux]) if isinstance(every, MixerState) \
+            else (every, None)
         tensors = {n: t.contiguous() for n, t in batch.tensors.items()}
         if not aux:
-            o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state)
-            return o
-        o, _, new = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state,
-                                               initial_aux=aux, final_aux=True)
-        for a, n in zip(aux, new):  # the K-wide states are read by every value tile: written after
-            a.copy_(n)
-        return o
+            o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state, out=out,
+                                              all_states=S_all)
+        elif aux_all is not None:  # the auxiliary states after the last token are in the per-token ones
+            o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state,
+                                              initial_aux=aux, out=out, all_states=S_all, all_aux=aux_all)
+            for a, every_a in zip(aux, aux_all):
+                a.copy_(every_a[:, -1])
+        else:
+            o, _, new = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state,
+                                                   initial_aux=aux, final_aux=True, out=out)
+            for a, n in zip(aux, new):  # the K-wide states are read by every value tile: written after
+                a.copy_(n)
+        return (o, every) if return_states else o
+
+    def _states_buffer(self, batch, given, device):
+        """The per-token states' buffer of a multi-token step: `given` (checked) or a new one."""
+        import torch
+
+        from lrdsl.runtime.tensors import MixerState
+        B, T, HV, K, V = batch.B, batch.T, batch.HV, batch.K, batch.V
+        shapes = {"S": (B, T, HV, K, V), **{a.name: (B, T, HV, a.width(K, V)) for a in self.ir.aux}}
+        if given is None:
+            made = {n: torch.empty(shp, dtype=torch.float32, device=device) for n, shp in shapes.items()}
+            return MixerState(made["S"], {a.name: made[a.name] for a in self.ir.aux}) if self.ir.aux else made["S"]
+        parts = ({"S": given.S, **given.aux} if isinstance(given, MixerState) and isinstance(given.aux, dict)
+                 else {"S": given})
+        want = "a MixerState of S [B, T, HV, K, V] and each auxiliary state [B, T, HV, K|V]" if self.ir.aux \
+            else "a tensor [B, T, HV, K, V]"
+        for n, shp in shapes.items():
+            t = parts.get(n)
+            if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shp and t.dtype == torch.float32
+                    and t.is_contiguous() and t.device == device) or set(parts) != set(shapes):
+                raise InputError(f"states_out must be {want} = {list(shapes['S'])}, contiguous float32 on "
+                                 f"{device}; got {_describe(given)} (leave it out to get a new one)")
+        return given
+
+    def accept(self, state, states, n) -> None:
+        """Roll a multi-token step back: `state` (updated in place) becomes the state after the first
+        n tokens of that step, from `states` (what step(..., return_states=True) returned). n is an int
+        or a [B] integer tensor on the state's device (one count per sequence, read on the device: no
+        host synchronisation), each from 1 to T (a verifier's first token, the last one accepted, is
+        always kept)."""
+        import torch
+
+        from lrdsl.runtime.tensors import MixerState
+        S_all = states.S if isinstance(states, MixerState) else states
+        if not isinstance(S_all, torch.Tensor) or S_all.dim() != 5:
+            raise InputError("accept() takes the states that step(..., return_states=True) returned "
+                             f"([B, T, HV, K, V]), got {_describe(states)}")
+        B, T = S_all.shape[:2]
+        if isinstance(n, int) and not isinstance(n, bool):
+            if not 1 <= n <= T:
+                raise InputError(f"accept() keeps n tokens of the {T} of the step, from 1 to {T}; got n={n}")
+            index = None
+        elif isinstance(n, torch.Tensor) and not n.is_floating_point() and tuple(n.shape) == (B,):
+            index = (n.to(device=S_all.device, dtype=torch.int64) - 1).clamp(0, T - 1)
+        else:
+            raise InputError(f"accept() takes n as an int or a [B] = [{B}] integer tensor of counts, got "
+                             f"{_describe(n)}")
+        pairs = [(state.S if isinstance(state, MixerState) else state, S_all)]
+        if isinstance(states, MixerState):
+            if not isinstance(state, MixerState):
+                raise InputError("accept() got per-token auxiliary states but a plain state: pass the MixerState "
+                                 "that step() updated")
+            pairs += [(state.aux[name], states.aux[name]) for name in states.aux]
+        for dst, every in pairs:
+            if index is None:
+                dst.copy_(every[:, n - 1])
+            else:  # a gather on the device: row b takes token n_b - 1
+                at = index.view(B, 1, *[1] * (every.dim() - 2)).expand(B, 1, *every.shape[2:])
+                dst.copy_(every.gather(1, at).squeeze(1))
 
     def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, cp_group=None, cu_seqlens_cpu=None, **inputs):
+              cu_seqlens=None, cp_group=None, cu_seqlens_cpu=None, segments=None, **inputs):
         """The chunk-parallel kernels; same signature and results as reference.
 
         cu_seqlens_cpu: the offsets of cu_seqlens as a list of ints, checked instead of reading
         cu_seqlens back from the device (under torch.compile such a read is a graph break).
+
+        segments: cut the longest sequence into this many segments (64-token multiples) that run
+        side by side and compose their maps of the state (lrdsl/runtime/segments.py); 1 runs one
+        pass; None takes LRDSL_SEGMENTS, else the schedule's choice on a GPU (one pass on the CPU and
+        under torch.compile).
 
         cp_group (a torch.distributed process group): context parallelism. Each rank passes its
         contiguous slice of the tokens and the global initial_state and cu_seqlens; see lrdsl/cp.py."""
@@ -263,28 +376,44 @@ class Mixer:
             # Triton's interpreter computes tl.dot on bf16 operands wrongly and silently
             # (triton#11584), so on the CPU the kernels run on fp32 copies; o comes back in v's dtype
             o, final = self.chunk(*map(_fp32_if_bf16, (q, k, v)), scale, _fp32_if_bf16(initial_state),
-                                  output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu,
+                                  output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu, segments,
                                   **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
             return o.to(v.dtype), final
         if cp_group is not None and self.ir.side != "left":
             raise InputError(f"mixer '{self.name}' has a value-side transition (S N or M S N), which context "
                              "parallelism does not support yet: call chunk without cp_group")
+        if self.ir.steps:
+            from lrdsl.runtime import product
+            # with cp_group the slice is this rank's, cu_seqlens and initial_state the global ones:
+            # the per-step vectors are elementwise in the tokens, the sub-mixer's chunk does the rest
+            batch = self._validate(q, k, v, inputs, scale, None if cp_group else initial_state, output_final_state,
+                                   None if cp_group else cu_seqlens, offsets=None if cp_group else cu_seqlens_cpu)
+            if cp_group is not None:
+                import dataclasses
+                batch = dataclasses.replace(batch, initial_state=initial_state, cu_seqlens=cu_seqlens)
+            return product.run(self, "chunk", batch, cp_group, None if cp_group else cu_seqlens_cpu)
         if cp_group is not None:
             from lrdsl.runtime import cp
             return cp.chunk(self, q, k, v, scale, initial_state, output_final_state, cu_seqlens, inputs,
                             cp_group)
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                offsets=cu_seqlens_cpu)
-        if self.ir.solve_lam is not None:
-            from lrdsl.runtime import offline
-            return offline.chunk(self, batch)
-        if self.ir.side == "right":  # the value side's chunked forward kernel; backward INTERIM (valueside.py)
+        # value sides before segments (whose maps of the state are the key side's)
+        if self.ir.side == "right":  # the chunked forward kernel; backward INTERIM (valueside.py)
             from lrdsl.runtime import valueside
             return valueside.chunk(self.ir, self.kernels, batch)
         if self.ir.side == "both":  # INTERIM: M S N's chunk is the reference's float32 token loop
             from lrdsl.runtime.valueside import two_sided_chunk
             return two_sided_chunk(self.ir, batch)
-        if self.ir.reads_before:
+        if type(segments) is not int or segments != 1:  # 1 (not True): one pass without a look
+            from lrdsl.runtime import segments as seg
+            cut = seg.plan(self, batch, segments, cu_seqlens_cpu)
+            if cut is not None:
+                return seg.chunk(self, batch, cut)
+        if self.ir.solve_lam is not None:
+            from lrdsl.runtime import offline
+            return offline.chunk(self, batch)
+        if self.ir.reads_before and not (self._fused and batch.K <= self.kernels.STAGED_MAX_K):
             return self._with_before("chunk", batch, initial_state, cu_seqlens_cpu)
         if self._native_rank2(batch):
             return self._chunk_rank2(batch)
@@ -308,6 +437,8 @@ class Mixer:
         core, prev, shifted = self._parts
         t, cu = dict(batch.tensors), batch.cu_seqlens
         opts = dict(scale=batch.scale, initial_state=initial_state, cu_seqlens=cu)
+        if method == "chunk":  # the segments, if any, were cut before the parts
+            opts["segments"] = 1
         if offsets is not None:  # chunk's host-side offsets, read by each part instead of cu_seqlens
             opts["cu_seqlens_cpu"] = offsets
         o = final = None
@@ -335,7 +466,7 @@ class Mixer:
             return torch.zeros(batch.N, batch.HV, batch.V, device=t["q"].device, dtype=compute_dtype(batch))
         return readouts.first_readout(self.ir, t, batch.H, batch.HV, batch.scale, S0, cu, compute_dtype(batch))
 
-    def _step_before(self, q, k, v, state, scale, inputs):
+    def _step_before(self, q, k, v, state, scale, inputs, out=None, return_states=False, states_out=None):
         """step of a readout with S_prev or dot-product terms: S_prev^T y of the first token is read
         from the state before any kernel updates it in place."""
         import torch
@@ -347,7 +478,10 @@ class Mixer:
         batch = self._validate(q, k, v, inputs, scale, state, True, None)
         t = dict(batch.tensors)
         T = q.shape[1]
-        o = None
+        o = every = None
+        # the per-token states come from the part that updates `state` itself (both move S alike)
+        keep = dict(return_states=True, states_out=states_out) if (return_states or states_out is not None) else {}
+        out = _step_out(out, batch, v.dtype, v.device)
         if prev is not None:
             S = state.S if isinstance(state, MixerState) else state
             if not isinstance(S, torch.Tensor):
@@ -361,17 +495,44 @@ class Mixer:
                     if isinstance(state, MixerState) else state.clone())
                 tp = dict(t, **{new: readouts.shift_next(t[old], None) for new, old in shifted.items()})
                 tp = {n: x for n, x in tp.items() if n not in ("q", "k", "v")}
-                o = readouts.shift_back(prev.step(t["q"], t["k"], t["v"], snap, batch.scale, **tp), first, None)
+                o_p = prev.step(t["q"], t["k"], t["v"], snap, batch.scale, **tp, **({} if core else keep))
+                o_p, every = o_p if (keep and not core) else (o_p, None)
+                o = readouts.shift_back(o_p, first, None)
         if core is not None:
             rest = {n: x for n, x in t.items() if n not in ("q", "k", "v")}
-            o_c = core.step(t["q"], t["k"], t["v"], state, batch.scale, **rest)
+            o_c = core.step(t["q"], t["k"], t["v"], state, batch.scale, **rest, **keep)
+            o_c, every = o_c if keep else (o_c, None)
             o = o_c if o is None else o.to(o_c.dtype) + o_c
         elif T == 1:  # the state still moves on: the prev part's step (its output is not read)
             tp = {n: x for n, x in t.items() if n not in ("q", "k", "v")}
             tp.update({new: t[old] for new, old in shifted.items()})
-            prev.step(t["q"], t["k"], t["v"], state, batch.scale, **tp)
+            moved = prev.step(t["q"], t["k"], t["v"], state, batch.scale, **tp, **keep)
+            every = moved[1] if keep else None
         extra = readouts.before_terms(self.ir, t, batch.H, batch.HV, batch.scale, compute_dtype(batch))
-        return (o.to(extra.dtype) + extra).to(v.dtype) if isinstance(extra, torch.Tensor) else o.to(v.dtype)
+        o = (o.to(extra.dtype) + extra).to(v.dtype) if isinstance(extra, torch.Tensor) else o.to(v.dtype)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return (o, every) if return_states else o
+
+    @property
+    def product(self):
+        """The one-step mixer whose n sub-tokens per token are this product's n steps
+        (lrdsl/codegen/product.py), or None for a one-step spec."""
+        if not self.ir.steps:
+            return None
+        if self._product is None:
+            from lrdsl.codegen.product import sub_ir
+            self._product = Mixer(sub_ir(self.ir), keep_intermediates=self.keep_intermediates, check_ranges=False)
+        return self._product
+
+    @property
+    def product_plan(self):
+        """The sub-mixer's inputs as plain functions of this product's (runtime/product.py), made once."""
+        if self._product_plan is None:
+            from lrdsl.runtime.product import plan_of
+            self._product_plan = plan_of(self.ir, self.product.ir)
+        return self._product_plan
 
     @property
     def split(self):
@@ -420,7 +581,8 @@ class Mixer:
         q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
         t[self.split.ir.inputs[-1].name] = phases(batch.B, batch.T, batch.H, q)
         cu = None if batch.cu_seqlens is None else 2 * batch.cu_seqlens
-        o, final = self.split.chunk(q, k, v, batch.scale, batch.initial_state, batch.output_final_state, cu, **t)
+        o, final = self.split.chunk(q, k, v, batch.scale, batch.initial_state, batch.output_final_state, cu,
+                                    segments=1, **t)
         return o[:, 1::2].contiguous(), final
 
     def _final(self, batch, S, aux):
@@ -464,6 +626,26 @@ class Mixer:
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                reference=True)
         return scan(self.ir, batch)
+
+
+def _step_out(out, batch, dtype, device):
+    """step's out= buffer, checked (None: the kernel makes one)."""
+    import torch
+    if out is None:
+        return None
+    want = (batch.B, batch.T, batch.HV, batch.V)
+    if not (isinstance(out, torch.Tensor) and tuple(out.shape) == want and out.dtype == dtype
+            and out.is_contiguous() and out.device == device):
+        raise InputError(f"out must be a contiguous {dtype} tensor [B, T, HV, V] = {list(want)} on {device} "
+                         f"(v's dtype and device), got {_describe(out)}")
+    return out
+
+
+def _describe(x) -> str:
+    import torch
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor {list(x.shape)} on {x.device}"
+    return type(x).__name__
 
 
 def _bf16_on_cpu(q, *tensors) -> bool:

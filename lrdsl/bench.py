@@ -189,6 +189,25 @@ TWINS["oja"] = ("gated_oja_rule.chunk_gated_oja_rule", lambda x: dict(
     q=x["q"], k=x["k"], v=_l2norm(x["v"]), gv=x["gv"], beta=x["beta"], scale=_scale(x)))
 
 
+def _steps(x: dict, names: tuple):
+    """[B, T, ...] tensors of one token's steps -> [B, n T, ...], step j at n t + j: FLA's layout."""
+    xs = [x[n] for n in names]
+    return torch.stack(xs, 2).reshape(xs[0].shape[0], len(xs) * xs[0].shape[1], *xs[0].shape[2:])
+
+
+def _delta_product_args(n: int):
+    """chunk_gated_delta_product for examples/delta_product<n>.lr: the keys, values and gains of the
+    n steps interleaved, the log-decay once per token; its in-kernel norm normalises q and every key."""
+    keys, values, gains = ("k", "k2", "k3")[:n], ("v", "v2", "v3")[:n], ("b1", "b2", "b3")[:n]
+    return lambda x: dict(q=x["q"], k=_steps(x, keys), v=_steps(x, values), g=x["g"], beta=_steps(x, gains),
+                          num_householder=n, scale=_scale(x), use_qk_l2norm_in_kernel=True)
+
+
+# DeltaProduct: n steps (I - b_j k_j k_j^T) S + b_j k_j v_j^T per token, the decay before the first
+TWINS["delta_product2"] = ("gated_delta_product.chunk_gated_delta_product", _delta_product_args(2))
+TWINS["delta_product3"] = ("gated_delta_product.chunk_gated_delta_product", _delta_product_args(3))
+
+
 def twin(mixer):
     """(FLA op name, a function of the inputs giving its output) or None."""
     if mixer.name in TWINS:
@@ -229,12 +248,23 @@ def twin(mixer):
 
 
 def nominal_flop(mixer, s: Shape, bt: int = 64) -> float:
-    """Forward FLOP of the chunked algorithm (per token and head: state read and update 4KV, causal
-    pairwise block BT(K + V); with an erase also the corrected values 2KV and the solve BT(2K + V))."""
-    per = 4 * s.K * s.V + bt * (s.K + s.V)
-    if mixer.ir.delta is not None:
-        per += 2 * s.K * s.V + bt * (2 * s.K + s.V)
-    return float(s.B * s.T * s.H * per)
+    """Forward FLOP of the chunked algorithm (lrdsl/roofline.py's count)."""
+    from lrdsl.roofline import flop
+    return flop(mixer, s, bt=bt)
+
+
+def kernel_times(step, reps: int = 5, between=lambda: None) -> list:
+    """(kernel name, GPU ms per step, launches per step) of every kernel one step() launches, under
+    torch.profiler (the same sum as gpu_ms, kernel by kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            step()
+            between()
+        torch.cuda.synchronize()
+    return [(e.key, e.self_device_time_total / reps / 1000.0, e.count / reps)
+            for e in p.key_averages() if e.self_device_time_total > 0]
 
 
 def gpu_ms(step, reps: int = 5, between=lambda: None) -> float:
@@ -249,8 +279,9 @@ def gpu_ms(step, reps: int = 5, between=lambda: None) -> float:
     return sum(e.self_device_time_total for e in p.key_averages()) / reps / 1000.0
 
 
-def measure(f, x: dict, s: Shape, backward: bool) -> dict:
-    """Median ms of f(x) (and of forward + backward) and the peak memory above the inputs."""
+def measure(f, x: dict, s: Shape, backward: bool, per_kernel: bool = False) -> dict:
+    """Median ms of f(x) (and of forward + backward) and the peak memory above the inputs; with
+    per_kernel also kernel_times' rows of the forward ("fwd_kernels") and forward + backward."""
     from triton.testing import do_bench
     out = {}
     with torch.no_grad():
@@ -263,6 +294,8 @@ def measure(f, x: dict, s: Shape, backward: bool) -> dict:
         out["fwd_mem"] = torch.cuda.max_memory_allocated() - base
         out["fwd_ms"] = do_bench(lambda: f(x), warmup=25, rep=100, return_mode="median")
         out["fwd_gpu_ms"] = gpu_ms(lambda: f(x))
+        if per_kernel:
+            out["fwd_kernels"] = kernel_times(lambda: f(x))
     if backward:
         leaves = [t.requires_grad_() for t in x.values() if t.is_floating_point()]
         do = torch.randn_like(f(x))
@@ -294,17 +327,22 @@ def measure(f, x: dict, s: Shape, backward: bool) -> dict:
                 t.grad = None
         clear()
         out["both_gpu_ms"] = gpu_ms(step, between=clear)
+        if per_kernel:
+            out["both_kernels"] = kernel_times(step, between=clear)
         for t in leaves:
             t.requires_grad_(False)
             t.grad = None
     return out
 
 
-def bench(mixer, s: Shape, backward: bool = False, with_twin: bool = True, log=print) -> dict:
+def bench(mixer, s: Shape, backward: bool = False, with_twin: bool = True, log=print,
+          per_kernel: bool = False) -> dict:
     """One row: lrdsl's figures and, when fla-core is importable, its twin's."""
+    from lrdsl import roofline
     x = draw(mixer, s)
-    row = {"mixer": mixer.name, "shape": s, "flop": nominal_flop(mixer, s)}
-    row["lrdsl"] = measure(lambda x: mixer.chunk(**x)[0], x, s, backward)
+    row = {"mixer": mixer.name, "shape": s, "flop": roofline.flop(mixer, s), "bytes": roofline.nbytes(mixer, s),
+           "flop_both": roofline.flop(mixer, s, True), "bytes_both": roofline.nbytes(mixer, s, True)}
+    row["lrdsl"] = measure(lambda x: mixer.chunk(**x)[0], x, s, backward, per_kernel)
     log(f"  {mixer.name}: lrdsl {row['lrdsl']}")
     tw = twin(mixer) if with_twin else None
     if tw is not None:
@@ -336,17 +374,22 @@ def _prenormalisable(mixer) -> bool:
 
 
 _HEAD = ("| mixer | shape | lrdsl fwd ms (GPU) | FLA fwd ms (GPU) | FLA/lrdsl fwd (GPU) | lrdsl TFLOP/s (GPU) "
-         "| lrdsl f+b ms (GPU) | FLA f+b ms (GPU) | FLA/lrdsl f+b (GPU) | lrdsl / FLA f+b extra GiB | FLA op |")
+         "| lrdsl f+b ms (GPU) | FLA f+b ms (GPU) | FLA/lrdsl f+b (GPU) | lrdsl / FLA f+b extra GiB | FLA op "
+         "| fwd TFLOP/s | fwd GB/s | fwd % bf16 peak | fwd % bandwidth "
+         "| f+b TFLOP/s | f+b GB/s | f+b % bf16 peak | f+b % bandwidth |")
 
 
 def table_head() -> str:
     """The bench table's header: wall clock (ms) and, in brackets, GPU time (ms). A * marks an FLA
-    time taken on q, k normalised outside the call."""
+    time taken on q, k normalised outside the call. The last eight columns are lrdsl's roofline on
+    GPU time (lrdsl/roofline.py: nominal FLOPs and bytes; percentages of the peak that table_row
+    is given)."""
     return _HEAD + "\n|" + "---|" * (_HEAD.count("|") - 1)
 
 
-def table_row(r: dict) -> str:
-    """One bench row of the markdown table."""
+def table_row(r: dict, peak=None) -> str:
+    """One bench row of the markdown table; peak: a roofline.Peak (None: no percentages)."""
+    from lrdsl import roofline
     gib = 2.0 ** 30
     s, ll, ff = r["shape"], r["lrdsl"], r.get("fla", {})
 
@@ -366,6 +409,121 @@ def table_row(r: dict) -> str:
     tflops = f"{r['flop'] / (ll['fwd_ms'] * 1e-3) / 1e12:.0f}"
     if "fwd_gpu_ms" in ll:
         tflops += f" ({r['flop'] / (ll['fwd_gpu_ms'] * 1e-3) / 1e12:.0f})"
+    roof = []
+    for key, f_key, b_key in (("fwd_gpu_ms", "flop", "bytes"), ("both_gpu_ms", "flop_both", "bytes_both")):
+        if key in ll and f_key in r:
+            roof += roofline.cells(roofline.rates(r[f_key], r[b_key], ll[key], peak))
+        else:
+            roof += ["-"] * 4
     return (f"| {r['mixer']} | {s.B},{s.T},{s.H},{s.K},{s.V} | {ms(ll, 'fwd_ms')} | {ms(ff, 'fwd_ms')} | "
             f"{ratio('fwd_ms')} | {tflops} | {ms(ll, 'both_ms')} | {ms(ff, 'both_ms')} | "
-            f"{ratio('both_ms')} | {mem} | {r.get('twin', '-')} |")
+            f"{ratio('both_ms')} | {mem} | {r.get('twin', '-')} | " + " | ".join(roof) + " |")
+
+
+def kernel_tables(r: dict) -> str:
+    """lrdsl's per-kernel tables of one row (measure(..., per_kernel=True)): each kernel's GPU time
+    and share of the call's, forward and forward + backward."""
+    from lrdsl import roofline
+    out = []
+    for key, what in (("fwd", "forward"), ("both", "forward + backward")):
+        if key + "_kernels" in r["lrdsl"]:
+            out.append(f"{r['mixer']} {what}, per kernel (GPU time per call):")
+            kernels = r["lrdsl"][key + "_kernels"]  # shares of their own sum: one profiled run
+            out.append(roofline.kernel_table(kernels, sum(k[1] for k in kernels)))
+    return "\n".join(out)
+
+
+# ---- decode: one token per sequence through step, inside a CUDA graph ----------------------------
+DECODE_BATCHES = (1, 8, 64, 256)
+VERIFY_T = 4  # tokens of the verification step decode_row also times
+# example name -> (FLA's fused recurrent op, its arguments from the inputs); each gets the state as
+# initial_state and returns the new one (output_final_state=True), as a decoder calls it
+_QKV = ("q", "k", "v")
+DECODE_TWINS = {
+    "gated_deltanet": ("gated_delta_rule.fused_recurrent_gated_delta_rule", lambda x: dict(
+        **{n: x[n] for n in _QKV}, g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=True)),
+    "kda": ("kda.fused_recurrent_kda", lambda x: dict(
+        **{n: x[n] for n in _QKV}, g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=True)),
+    "deltanet": ("delta_rule.fused_recurrent_delta_rule", lambda x: dict(
+        **{n: x[n] for n in _QKV}, beta=x["beta"], use_qk_l2norm_in_kernel=True)),
+    "gla": ("gla.fused_recurrent_gla", lambda x: dict(**{n: x[n] for n in _QKV}, gk=x["g"])),
+    "mamba2": ("simple_gla.fused_recurrent_simple_gla", lambda x: dict(**{n: x[n] for n in _QKV}, g=x["g"])),
+    "retnet": ("retention.fused_recurrent_retention", lambda x: {n: x[n] for n in _QKV}),
+    "linear_attention": ("linear_attn.fused_recurrent_linear_attn", lambda x: {n: x[n] for n in _QKV}),
+}
+DECODE_TWINS["gated_deltanet_negeig"] = DECODE_TWINS["gated_deltanet"]
+
+
+def graphed(f, warmup: int = 3):
+    """f captured in a CUDA graph (after warm-up launches on a side stream: compilation, tuning);
+    returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        f()
+    return graph.replay
+
+
+def decode_row(mixer, B: int, H: int = 16, K: int = 128, V: int = 128, with_twin: bool = True,
+               device: str = "cuda") -> dict:
+    """ms per decoded token (one step of B sequences at T = 1, bf16 inputs, the fp32 state updated in
+    place, o into a buffer) of lrdsl's step and of FLA's fused recurrent twin: do_bench's median of a
+    CUDA graph's replay, and of the eager call (wall clock, host time included)."""
+    from triton.testing import do_bench
+    s = Shape(B, 1, H, K, V)
+    x = draw(mixer, s, device=device, seed=B)
+    row = {"mixer": mixer.name, "B": B, "H": H, "K": K, "V": V}
+    state = mixer.zero_state(B, H, K, V, device=device)
+    out = torch.empty(B, 1, H, V, dtype=x["v"].dtype, device=device)
+    with torch.no_grad():
+        def step():
+            mixer.step(**x, state=state, out=out)
+        row["lrdsl_eager_ms"] = do_bench(step, warmup=25, rep=100, return_mode="median")
+        row["lrdsl_ms"] = do_bench(graphed(step), warmup=25, rep=100, return_mode="median")
+        # speculative decoding's verification: VERIFY_T tokens keeping every state, then a rollback
+        # of each sequence to half of them
+        xv = draw(mixer, Shape(B, VERIFY_T, H, K, V), device=device, seed=B + 1)
+        out_v = torch.empty(B, VERIFY_T, H, V, dtype=x["v"].dtype, device=device)
+        keep = torch.full((B,), VERIFY_T // 2, dtype=torch.int64, device=device)
+
+        def verify():
+            _, every = mixer.step(**xv, state=state, out=out_v, return_states=True)
+            mixer.accept(state, every, keep)
+        row["lrdsl_verify_ms"] = do_bench(graphed(verify), warmup=25, rep=100, return_mode="median")
+        if with_twin and mixer.name in DECODE_TWINS:
+            name, args = DECODE_TWINS[mixer.name]
+            row["twin"] = name
+            try:
+                op, h = _fla(name), torch.zeros(B, H, K, V, dtype=torch.float32, device=device)
+
+                def fla_step():
+                    op(**args(x), initial_state=h, output_final_state=True)
+                row["fla_eager_ms"] = do_bench(fla_step, warmup=25, rep=100, return_mode="median")
+                row["fla_ms"] = do_bench(graphed(fla_step), warmup=25, rep=100, return_mode="median")
+            except Exception as e:  # report and go on
+                row["fla_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    return row
+
+
+_DECODE_HEAD = ("| mixer | B | H,K,V | lrdsl us/token (graph) | FLA us/token (graph) | FLA/lrdsl (graph) "
+                "| lrdsl us (eager) | FLA us (eager) | lrdsl T=4 verify + accept us (graph) | FLA op |")
+
+
+def decode_table_head() -> str:
+    """The decode table's header: microseconds per step of B sequences at T = 1; a ratio above 1 is
+    lrdsl faster."""
+    return _DECODE_HEAD + "\n|" + "---|" * (_DECODE_HEAD.count("|") - 1)
+
+
+def decode_table_row(r: dict) -> str:
+    def us(k):
+        return f"{r[k] * 1e3:.1f}" if k in r else "-"
+    ratio = f"{r['fla_ms'] / r['lrdsl_ms']:.2f}" if "fla_ms" in r else "-"
+    return (f"| {r['mixer']} | {r['B']} | {r['H']},{r['K']},{r['V']} | {us('lrdsl_ms')} | {us('fla_ms')} | {ratio} "
+            f"| {us('lrdsl_eager_ms')} | {us('fla_eager_ms')} | {us('lrdsl_verify_ms')} | {r.get('twin', '-')}"
+            + (f" ({r['fla_error']})" if "fla_error" in r else "") + " |")

@@ -47,7 +47,10 @@ def at_head(m: ir.Mixer, h: int) -> ir.Mixer:
 def per_head(m: ir.Mixer) -> list:
     """[(label, eigenvalue interval, proved, decay interval)], one row per head when the transition
     reads h, else one row for every head."""
-    from lrdsl.checks.checker import analyse
+    from lrdsl.checks.checker import analyse, factors
+    if m.steps:  # a product: each factor's enclosure (the checker's facts for the product rest on them)
+        return [(f"step {j}" + ("" if label == "every head" else f" {label}"), *rest)
+                for j, f in enumerate(factors(m), 1) for label, *rest in per_head(f)]
     uses_h = any(sp.sympify(e).has(ir.HEAD) for e, _ in m.expressions())
     rows = []
     for h in (range(HEADS) if uses_h else [None]):
@@ -79,12 +82,12 @@ def growth(m: ir.Mixer, w: dict) -> tuple:
     tokens = (w.get("replay") or {}).get("tokens", 200)
     pre = w["prefix"]["repeat"] if w["prefix"] else 0
     env = witness._run(num, w, max(1, math.ceil((tokens - pre) / steps)))
-    d, a, c = witness._pieces(num, env, w["K"])
+    d, a, c, more = witness._pieces(num, env, w["K"])
     order = m.delta.order if m.delta else None
     S, norms = np.eye(w["K"]), [1.0]
     with np.errstate(all="ignore"):
         for t in range(len(d)):
-            S = witness._apply(d[t], a[t], c[t], order, S)
+            S = witness._apply(d[t], a[t], c[t], order, S, more[t])
             norms.append(float(np.linalg.norm(S) / math.sqrt(w["K"])))
     return np.array(norms), pre
 
@@ -98,14 +101,14 @@ def draw(mixer, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lrdsl.frontend.printer import transition
+    from lrdsl.frontend.printer import product
     m, facts = mixer.ir, mixer.check()
     rows = per_head(m)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
     _eigenvalues(ax1, rows, facts)
     _horizons(ax2, rows, m)
     _growth(ax3, m, facts)
-    fig.suptitle(f"mixer {m.name}:  M_t = {transition(m)}", fontsize=10)
+    fig.suptitle(f"mixer {m.name}:  M_t = {product(m)}", fontsize=10)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)

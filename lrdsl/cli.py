@@ -96,6 +96,20 @@ def _parser() -> argparse.ArgumentParser:
                         "default one, lrdsl alone, forward + backward and its peak memory (implies --backward)")
     b.add_argument("--no-fla", dest="fla", action="store_false",
                    help="time lrdsl alone (by default FLA's twin is timed when fla-core is importable)")
+    b.add_argument("--per-kernel", action="store_true",
+                   help="also print each of lrdsl's kernels' GPU time and share of the call (torch.profiler), "
+                        "under the table")
+    b.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
+                   help="the GPU's dense bf16 peak for the roofline columns (default: from the device's name: "
+                        "H100 SXM 989, H200 989)")
+    b.add_argument("--peak-tbps", type=float, metavar="TBPS",
+                   help="the GPU's memory bandwidth in TB/s for the roofline columns (default: from the "
+                        "device's name: H100 SXM 3.35, H200 4.8)")
+    b.add_argument("--decode", action="store_true",
+                   help="time decoding instead: step at T = 1 for B in --decode-batches, inside a CUDA graph, "
+                        "beside FLA's fused recurrent twin (H, K, V from --shape); the table is printed last")
+    b.add_argument("--decode-batches", default="1,8,64,256", metavar="B,B,...",
+                   help="the batch sizes of --decode (default 1,8,64,256)")
     _mqar_parser(sub)
     return p
 
@@ -187,29 +201,74 @@ def cmd_bench(args) -> int:
     if not torch.cuda.is_available():
         raise LrdslError("lrdsl bench times GPU kernels, and torch sees no CUDA device")
     from lrdsl.api import compile
+    from lrdsl.roofline import peak_of
+    for flag, value in (("--peak-tflops", args.peak_tflops), ("--peak-tbps", args.peak_tbps)):
+        if value is not None and not value > 0:
+            raise LrdslError(f"{flag} must be a positive number, got {value}")
+    device = torch.cuda.get_device_name()
+    peak = peak_of(device, args.peak_tflops, args.peak_tbps)
+    print(f"bf16, {device}, torch {torch.__version__}, triton {triton.__version__}; roofline peaks: "
+          + (f"{peak.tflops:g} TFLOP/s bf16, {peak.tbps:g} TB/s" if peak else
+             "unknown for this GPU (give --peak-tflops and --peak-tbps for the percentages)"))
+    if args.decode:
+        return _bench_decode(args, shape, compile, bench)
     done = 0
     # a bench of many specs takes minutes: each spec's row is printed as it finishes, so a stop
     # by Ctrl-C or `timeout` (SIGTERM), or a kill, leaves the rows of the specs it finished
-    print(f"bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(bench.table_head(), flush=True)
+    kernels = []
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for i, path in enumerate(args.spec):
             print(f"[{i + 1}/{len(args.spec)}] {path}: compiling, tuning, timing", file=sys.stderr, flush=True)
             backward = args.backward or args.keep_intermediates
             row = bench.bench(compile(path), shape, backward, args.fla,
-                              log=lambda s: print(s, file=sys.stderr, flush=True))
-            print(bench.table_row(row), flush=True)
+                              log=lambda s: print(s, file=sys.stderr, flush=True),
+                              **({"per_kernel": True} if args.per_kernel else {}))
+            print(bench.table_row(row, peak), flush=True)
+            if args.per_kernel:
+                kernels.append(bench.kernel_tables(row))
             if args.keep_intermediates:
                 row = bench.bench(compile(path, keep_intermediates=True), shape, True, False,
                                   log=lambda s: print(s, file=sys.stderr, flush=True))
-                print(bench.table_row(dict(row, mixer=row["mixer"] + " (keep_intermediates)")), flush=True)
+                print(bench.table_row(dict(row, mixer=row["mixer"] + " (keep_intermediates)"), peak), flush=True)
             done += 1
     except KeyboardInterrupt:
         print(f"lrdsl bench: stopped during {args.spec[done]}; the table holds the "
               f"{done} of {len(args.spec)} specs it finished", file=sys.stderr, flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    for text in kernels:
+        print("\n" + text, flush=True)
+    return 0 if done == len(args.spec) else 130
+
+
+def _bench_decode(args, shape, compile, bench) -> int:
+    """lrdsl bench --decode: a row per spec and batch size as each finishes (on stderr), the table
+    last on stdout."""
+    from lrdsl.errors import LrdslError
+    from lrdsl.options import comma_ints
+    try:
+        batches = comma_ints(args.decode_batches)
+    except ValueError as e:
+        raise LrdslError(f"--decode-batches: {e}") from None
+    rows, done = [], 0
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for path in args.spec:
+            mixer = compile(path)
+            for B in batches:
+                print(f"{path}: decode B={B}", file=sys.stderr, flush=True)
+                rows.append(bench.decode_row(mixer, B, shape.H, shape.K, shape.V, args.fla))
+                print("  " + bench.decode_table_row(rows[-1]), file=sys.stderr, flush=True)
+            done += 1
+    except KeyboardInterrupt:
+        print(f"lrdsl bench --decode: stopped during {args.spec[done]}", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(bench.decode_table_head())
+    for r in rows:
+        print(bench.decode_table_row(r))
     return 0 if done == len(args.spec) else 130
 
 
@@ -230,7 +289,11 @@ def cmd_show(args) -> int:
     print(m.canonical(), end="")
     print("\n# kernels")
     print(kernels_text(m.ir), end="")
-    if m.ir.reads_before:
+    if m.ir.reads_before and m._fused:
+        print("readout    S_prev^T y inside the staged kernels, one chunk pass (plan.readout_before,\n"
+              "           lrdsl/codegen/readouts.py): P strictly causal, y decayed by G - g, the bonus on P's\n"
+              "           diagonal; wider keys and recurrent take the parts around the kernels")
+    elif m.ir.reads_before:
         print("readout    S_prev^T y and dot products around the kernels (lrdsl/codegen/readouts.py): the\n"
               "           kernels of S^T x and of S^T y with y read one token later, the dot products in PyTorch")
     return 0
@@ -238,6 +301,15 @@ def cmd_show(args) -> int:
 
 def kernels_text(m) -> str:
     """Which kernels `chunk` runs for mixer IR m, and why (the `# kernels` section of `lrdsl show`)."""
+    if m.steps:
+        from lrdsl.codegen.product import sub_ir
+        from lrdsl.frontend import printer
+        sub = sub_ir(m)
+        update = next(line for line in printer.explicit(sub).splitlines() if line.startswith("S = "))
+        first, rest = kernels_text(sub).split("\n", 1)
+        return (f"{first}\n           of the one-step sub-mixer, on {m.n_steps} sub-tokens per token (the {m.n_steps} "
+                f"steps; lrdsl/codegen/product.py):\n           {update}, the log-decay g on the first "
+                "sub-token, o read at the last\n" + rest)
     decode = "recurrent  token by token, one launch (templates/{}recurrent.py.jinja): the decode path\n"
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
@@ -286,9 +358,9 @@ def cmd_check(args) -> int:
     if args.json:
         print(json.dumps(facts, indent=2, sort_keys=True))
     else:
-        from lrdsl.frontend.printer import transition
+        from lrdsl.frontend.printer import product
         lhs = {"right": "N_t", "both": "M_t S N_t"}.get(m.ir.side, "M_t")
-        print(f"mixer {m.name}: {lhs} = {transition(m.ir)}")
+        print(f"mixer {m.name}: {lhs} = {product(m.ir)}")
         print(explain(facts), end="")
     if args.plot:  # drawn for a refused spec too: that picture says why
         checkplot.draw(m, args.plot)
@@ -311,6 +383,11 @@ def cmd_compile(args) -> int:
         raise SpecError("`lrdsl compile` writes a module of kernels that read S^T x; this readout's S_prev^T and "
                         "dot-product terms run in lrdsl.Mixer around them: use lrdsl.compile(spec) in Python",
                         m.ir.readout_span, m.source, m.filename)
+    if m.ir.steps:
+        from lrdsl.errors import SpecError
+        raise SpecError(f"`lrdsl compile` writes a module of one-step kernels; this spec's {m.ir.n_steps} steps per "
+                        "token run as sub-tokens of such kernels inside lrdsl.Mixer: use lrdsl.compile(spec) in Python",
+                        m.ir.update_span, m.source, m.filename)
     source = generate(m.ir) + FORWARD_ONLY
     path = Path(args.output) / f"{m.name}.py"
     _refuse_shadowing(m.name, path)

@@ -129,7 +129,45 @@ class Model:
         return E @ np.diag(D) if self.order == "left" else np.diag(D) @ E
 
 
+@dataclass(frozen=True)
+class Product:
+    """A product of steps per token (DeltaProduct): factor j is a Model reading the inputs it names
+    as the spec names them (names: model's name -> spec's), M = M_n ... M_1."""
+    factors: tuple  # (Model, {model name: spec name}), the first step first
+    atk = None
+    unit_key = True
+
+    def ranges(self) -> dict:
+        return {names.get(n, n): r for m, names in self.factors for n, r in m.ranges().items()}
+
+    def reads(self) -> set:
+        return {names.get(n, n) for m, names in self.factors for n in m.reads()}
+
+    def token(self, rng, K, edge) -> dict:
+        out = {}
+        for m, names in self.factors:
+            out.update({names.get(n, n): v for n, v in token(m, rng, K, edge).items()})
+        return out
+
+    def step_aux(self, tok, P):
+        return P
+
+    def matrix(self, tok, P, K, h=0):
+        M = np.eye(K)
+        for m, names in self.factors:
+            M = m.matrix({n: tok[names.get(n, n)] for n in {*m.ranges(), *m.reads()}}, P, K, h) @ M
+        return M
+
+
+def _delta_product(n: int, b_range: tuple) -> Product:
+    first = (Model("exp_scalar", "scalar", b_range=b_range), {"b": "b1"})
+    return Product((first, *((Model("none", "scalar", b_range=b_range), {"k": f"k{j}", "b": f"b{j}"})
+                             for j in range(2, n + 1))))
+
+
 EXAMPLES = {
+    "delta_product2": _delta_product(2, (0, 1, True, True)),
+    "delta_product3": _delta_product(3, (0, 2, True, True)),
     "linear_attention": Model("none", "none"), "retnet": Model("const", "none"),
     "mamba2": Model("exp_scalar", "none"), "mesa": Model("exp_scalar", "none"), "gla": Model("exp_diag", "none"),
     "mesa_retention": Model("const", "none"),
@@ -213,7 +251,7 @@ def samples(model: Model, rng, count, steps=1):
             P = model.step_aux(token(model, rng, K, edge), P)
         Ms = []
         for _ in range(steps):
-            tok = token(model, rng, K, edge)
+            tok = model.token(rng, K, edge) if isinstance(model, Product) else token(model, rng, K, edge)
             P = model.step_aux(tok, P)
             Ms.append(model.matrix(tok, P, K, h))
         yield K, h, Ms

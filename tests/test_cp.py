@@ -139,13 +139,15 @@ def job(rank, world, spec, split: Split, device) -> dict:
     from lrdsl.runtime.cp import pieces
     case = split.case
     mixer = lrdsl.compile(spec, check_stability=False)  # the parent checked it
-    calls, plain = [], mixer.chunk
+    # a product of steps makes its calls on its sub-mixer (n sub-tokens per token)
+    local = mixer.product or mixer
+    calls, plain = [], local.chunk
 
     def counted(*a, cp_group=None, **kw):  # the local chunk calls that cp makes: [batch, T, V]
         if cp_group is None:
             calls.append(list(kw["v"].shape[:2]) + [kw["v"].shape[-1]])
         return plain(*a, cp_group=cp_group, **kw)
-    mixer.chunk = counted
+    local.chunk = counted
     x, h0, cu = inputs(mixer, case)
     t0 = sum(split.lengths[:rank])
     t1 = t0 + split.lengths[rank]
@@ -227,6 +229,7 @@ def check_calls(mixer, split, calls):
     carried on runs one more call for the auxiliary maps (two starts, one value channel) and, where
     the head does not widen, one for the state's maps (batched starts)."""
     from lrdsl.runtime.cp import pieces, widens
+    mixer = mixer.product or mixer  # a product's calls are its sub-mixer's
     case = split.case
     every = pieces(None if case.cu_seqlens is None else list(case.cu_seqlens), case.B, list(split.lengths))
     for r, p in enumerate(every):

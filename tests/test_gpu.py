@@ -224,7 +224,7 @@ def test_novel_spec_written_for_the_tests_gpu(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
-@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "mamba2", "retnet", "kda", "gla"])
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "mamba2", "retnet", "kda", "gla", "rwkv6"])
 def test_every_staged_config(name):
     """Each config the autotuner of a staged kernel may pick, one kernel at a time (the others at
     their first config), against the float64 reference, bf16, varlen: the outputs for a forward
@@ -289,19 +289,21 @@ def test_every_staged_config(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
-@pytest.mark.parametrize("name", ["gated_deltanet", "mamba2", "kda"])
+@pytest.mark.parametrize("name", ["gated_deltanet", "mamba2", "kda", "rwkv6"])
 def test_strong_decays_gpu(name):
     """Log-decays of -1e8 and -inf at single tokens (bf16 inputs, fp32 gates): chunk forward and
-    backward against the float64 reference, same limits as the examples."""
+    backward against the float64 reference, same limits as the examples. (rwkv6: the readout of the
+    state before the token inside the staged kernels, plan.readout_before.)"""
     path = next(p for p in EXAMPLES if os.path.basename(p) == name + ".lr")
     mixer = lrdsl.compile(path)
     B, T, H, K, V = 1, 1000, 2, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
-    x["g"] = x["g"].float()
-    x["g"][0, 100] = -1e8
-    x["g"][0, 555] = float("-inf")
-    x["g"][0, 706:710] = -30.0  # one 16-token block decaying past exp(-60): kda's exact diagonal block
+    g = next(i.name for i in mixer.ir.inputs if i.log)  # the log-decay input (rwkv6's w)
+    x[g] = x[g].float()
+    x[g][0, 100] = -1e8
+    x[g][0, 555] = float("-inf")
+    x[g][0, 706:710] = -30.0  # one 16-token block decaying past exp(-60): kda's exact diagonal block
     do = torch.randn(B, T, H, V, generator=gen, device="cuda")
     ref_leaves = {n: t.double().requires_grad_() for n, t in x.items()}
     ref_o, ref_s = mixer.reference(**ref_leaves, output_final_state=True)

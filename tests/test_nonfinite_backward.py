@@ -126,9 +126,10 @@ def test_overflowing_key_leaves_earlier_dq_of_the_general_backward(decay, semant
 
 
 def test_a_clean_batch_takes_the_backward_as_given(monkeypatch):
-    """No non-finite entry: the backward runs on the call's own tensors and the forward's kept
-    intermediates (no copies), one check of the inputs."""
+    """The host-checked guard (MODE "host"): no non-finite entry, so the backward runs on the call's
+    own tensors and the forward's kept intermediates (no copies), one check of the inputs."""
     from lrdsl.runtime import nonfinite
+    monkeypatch.setattr(nonfinite, "MODE", "host")
     calls = []
     monkeypatch.setattr(nonfinite, "finite_copies", lambda *a: calls.append(a))
     mixer = lrdsl.compile(spec_path("gated_deltanet"), keep_intermediates=True)
@@ -137,6 +138,25 @@ def test_a_clean_batch_takes_the_backward_as_given(monkeypatch):
     x["beta"][0, 6] = math.inf  # clamped into (0, 1)
     g = gradients(mixer.chunk, x, opts, torch.float32, torch.ones(1, 20, 1, 16, device=DEVICE))
     assert not calls and all(torch.isfinite(t).all() for t in g.values())
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_device_guard_leaves_a_clean_batch_as_the_host_guard(keep, monkeypatch):
+    """The guard on the device (MODE "device", the default: finite copies, the kept intermediates'
+    non-finite entries zeroed, nan put back) gives a clean batch, resets and clamped infinities among
+    it, the very gradients the host-checked one gives (which takes the call's own tensors)."""
+    from lrdsl.runtime import nonfinite
+    mixer = lrdsl.compile(spec_path("gated_deltanet"), keep_intermediates=keep)
+    x, opts = draw_inputs(mixer, Case(B=1, T=70, H=1, HV=1, K=16, V=16, initial_state=True, seed=8), DEVICE)
+    x["g"][0, 5] = -math.inf  # a reset, floored by the kernels: not a bad entry
+    x["beta"][0, 66] = math.inf  # clamped into (0, 1)
+    do = torch.randn(1, 70, 1, 16, device=DEVICE)
+    got = {}
+    for mode in ("host", "device"):
+        monkeypatch.setattr(nonfinite, "MODE", mode)
+        got[mode] = gradients(mixer.chunk, x, opts, torch.float32, do)
+    for n, g in got["host"].items():
+        assert torch.isfinite(g).all() and torch.equal(got["device"][n], g), n
 
 
 @pytest.mark.parametrize("mixer_id", ["gated_deltanet-general", pytest.param("mesa", marks=pytest.mark.slow)])
@@ -163,3 +183,28 @@ def test_general_and_offline_kernels_take_causal_products_only_in_a_bad_chunk(mi
     assert not calls, f"{mixer_id}: {len(calls)} causal products for clean inputs"
     check_causal(mixer, spoil(x, "k", math.nan, True, 70), opts, 70, monkeypatch, mixer_id)
     assert calls, f"{mixer_id}: no causal product with a nan key"
+
+
+def test_device_copies_flags_and_nan_at(compiled):
+    """The device guard's kernels on gated_deltanet's inputs: q (no range: any non-finite entry is
+    bad), g (a log-decay: -inf is a reset), beta (clamped into (0, 1): +-inf is clamped); the copy
+    has the range's fill at the bad entries only, each input's flag says whether it has any
+    non-finite entry, and the gradients get nan at the bad entries only."""
+    from lrdsl.runtime import nonfinite
+    mixer = compiled(spec_path("gated_deltanet"))
+    inf, nan = math.inf, math.nan
+    q = torch.tensor([1.0, nan, -inf, 2.0], dtype=torch.bfloat16, device=DEVICE)
+    g = torch.tensor([-1.0, -inf, nan, 0.0], device=DEVICE)
+    beta = torch.tensor([0.5, inf, -inf, 0.25], dtype=torch.bfloat16, device=DEVICE)
+    v = torch.tensor([3.0, 4.0, 5.0, 6.0], dtype=torch.bfloat16, device=DEVICE)
+    names, tensors = ["q", "g", "beta", "v"], [q, g, beta, v]
+    copies, flags = nonfinite.device_copies(mixer.ir, names, tensors)
+    fill_g = -1.0  # a log-decay's range is (-inf, 0]: hi - 1
+    want = [[1.0, 0.0, 0.0, 2.0], [-1.0, -inf, fill_g, 0.0], [0.5, inf, -inf, 0.25], [3.0, 4.0, 5.0, 6.0]]
+    for n, c, w, t in zip(names, copies, want, tensors):
+        assert c.dtype == t.dtype and c.tolist() == w, n
+    assert [int(f) for f in flags] == [1, 1, 1, 0]
+    grads = nonfinite.device_nan_at(mixer.ir, names, tensors, [torch.ones_like(t) for t in tensors], flags)
+    isnan = [[False, True, True, False], [False, False, True, False], [False] * 4, [False] * 4]
+    for n, gr, w in zip(names, grads, isnan):
+        assert torch.isnan(gr.float()).tolist() == w, n

@@ -41,6 +41,15 @@ def chunk_modules(mixer) -> list:
     return [mixer.kernels] + ([mixer.split.kernels] if mixer.split is not None else [])
 
 
+def recurrent_module(mixer):
+    """The generated module recurrent launches: the mixer's own, or where its readout reads the
+    state before the update, its first part's (Mixer._with_before runs the readout around the parts'
+    kernels; chunk may read it in the mixer's own, Mixer._fused)."""
+    if mixer.ir.reads_before:
+        return next(p for p in mixer._parts[:2] if p is not None).kernels
+    return mixer.kernels
+
+
 def general_kernels(mixer, monkeypatch):
     """The mixer, its chunk (forward and backward, keep_intermediates or not) sent to the general
     kernels for this test: the staged ones serve keys up to STAGED_MAX_K, here none (nor the split's,
@@ -79,7 +88,7 @@ def test_example_recurrent_matches_reference(spec, case_id, compiled, monkeypatc
     mixer = compiled(spec)
     case = CASES[case_id]
     poison = PoisonTorch()
-    monkeypatch.setattr(mixer.kernels, "torch", poison)  # o and the final state start as NaN
+    monkeypatch.setattr(recurrent_module(mixer), "torch", poison)  # o and the final state start as NaN
     x, opts = draw_inputs(mixer, case, DEVICE)
     o, s = mixer.recurrent(**x, **opts)
     assert poison.poisoned >= 2, ("the generated module no longer allocates o and the final state with "

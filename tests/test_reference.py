@@ -183,6 +183,22 @@ def step_oja(S, P, z):
     return S @ N + z["beta"] * torch.outer(z["k"], v), P
 
 
+def step_delta_product(S, P, z):
+    """DeltaProduct: the decay, then (I - b_j k_j k_j^T) S + b_j k_j v_j^T for each step j."""
+    S = torch.exp(z["g"]) * S
+    for j, (k, v, b) in enumerate(((z["k"], z["v"], z["b1"]), *((l2(z[f"k{j}"]), z[f"v{j}"], z[f"b{j}"])
+                                                                 for j in (2, 3) if f"k{j}" in z))):
+        S = (eye(z) - b * torch.outer(k, k)) @ S + b * torch.outer(k, v)
+    return S, P
+
+
+def _product_inputs(n, gain):
+    out = {"g": ("HV", None, "log"), "b1": ("HV", None, gain)}
+    for j in range(2, n + 1):
+        out.update({f"k{j}": ("HV", "K", "normal"), f"v{j}": ("HV", "V", "normal"), f"b{j}": ("HV", None, gain)})
+    return out
+
+
 ATK = {"g_atk": ("H", None, "log"), "beta_atk": ("H", None, "gate")}
 MODELS = {  # example -> (l2norm q and k, inputs besides q k v, step, has an aux state)
     "linear_attention": (False, {}, step_linear, False),
@@ -217,6 +233,8 @@ MODELS = {  # example -> (l2norm q and k, inputs besides q k v, step, has an aux
     "oja": (False, {"gv": ("HV", "V", "log"), "beta": ("HV", None, "gate")}, step_oja, False),
     "comba": (True, {"p": ("HV", "K", "normal"), "g": ("HV", None, "log"), "beta": ("HV", None, "gate")},
               step_comba, False),
+    "delta_product2": (True, _product_inputs(2, "gate"), step_delta_product, False),
+    "delta_product3": (True, _product_inputs(3, "gate2"), step_delta_product, False),
 }
 AUX = sorted(n for n, m in MODELS.items() if m[3])
 PLAIN = sorted(n for n, m in MODELS.items() if not m[3])

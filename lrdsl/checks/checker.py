@@ -12,6 +12,7 @@ lrdsl.checks.witness: admissible inputs, aux states reached by their own recurre
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import sympy as sp
@@ -201,9 +202,83 @@ def _as_bool(status: str, yes: str = PROVED):
     return None if status == UNKNOWN else status == yes
 
 
+def factors(mixer: ir.Mixer) -> tuple:
+    """The one-step mixers of a product's factors: the first step (with the decay), then each later
+    step's I - a c^T (identity decay); (mixer,) for a one-step spec."""
+    if not mixer.steps:
+        return (mixer,)
+    first = dataclasses.replace(mixer, steps=())
+    one = ir.Decay("identity", sp.Integer(1))
+    return (first, *(dataclasses.replace(first, decay=one, delta=st.delta, write=st.write) for st in mixer.steps))
+
+
+def _check_product(mixer: ir.Mixer) -> dict:
+    """The facts of a product of n steps per token: each factor checked as a one-step transition;
+    ||M|| <= prod ||M_j|| bounds the product where each factor is a contraction (and then every
+    eigenvalue of M, possibly complex, has modulus <= 1); the rest by the witness search on the
+    product itself."""
+    parts = [check(f) for f in factors(mixer)]
+    num = witness.numeric(mixer)
+    notes = [f"M is the product of {mixer.n_steps} factors, one per step, the last leftmost: "
+             f"M = M_{mixer.n_steps} ... M_1 (the decay in M_1)."]
+    for j, r in enumerate(parts, 1):
+        notes.append(f"step {j}: ||M_{j}|| <= 1 {r['facts']['spectral_norm_le_1']}; " + " ".join(r["notes"]))
+    facts, wits = {}, {}
+    contractions = all(r["facts"]["spectral_norm_le_1"] == PROVED for r in parts)
+    if contractions:
+        facts.update(spectral_norm_le_1=PROVED, stable=PROVED, bounded_state=PROVED)
+        notes.append("Every factor is a contraction, so ||M|| <= ||M_n|| ... ||M_1|| <= 1: every eigenvalue "
+                     "of M has modulus <= 1 (they need not be real: a product of symmetric factors is not "
+                     "symmetric), and no input sequence amplifies the state.")
+    if mixer.n_steps == 2 and all(_psd(f, r) for f, r in zip(factors(mixer), parts)):
+        facts["negative_eigenvalues"] = DISPROVED
+        notes.append("Both factors are symmetric positive semi-definite, so M = M_2 M_1 = (M_2 M_1^1/2) M_1^1/2 has "
+                     "the eigenvalues of M_1^1/2 M_2 M_1^1/2 (XY and YX share them), a symmetric positive "
+                     "semi-definite matrix: real and >= 0.")
+    for name, kind, thr, yes, no in (("spectral_norm_le_1", "norm", 1 + 1e-9, DISPROVED, UNKNOWN),
+                                     ("stable", "radius", 1 + 1e-9, DISPROVED, UNKNOWN),
+                                     ("negative_eigenvalues", "negative", 1e-6, PROVED, UNKNOWN)):
+        if name in facts:
+            continue
+        w = witness.search(num, kind, thr)
+        facts[name], wits[name] = (yes, w) if w else (no, None)
+        notes.append(f"{LABELS[name]}: " + ("an admissible token settles it (see the witness)." if w else
+                                            "not proved, and no admissible token settling it was found."))
+    if "bounded_state" not in facts:
+        w = _growing_cycle(num, wits.get("stable"))
+        facts["bounded_state"], wits["bounded_state"] = (DISPROVED, w) if w else (UNKNOWN, None)
+        notes.append("bounded state: " + ("a cycle of tokens grows the state (see the witness)." if w else
+                                          "not proved (some factor is not proved a contraction), and no short "
+                                          "growing cycle was found."))
+    return {
+        "eigenvalues": {"min": -1.0 if contractions else None, "max": 1.0 if contractions else None,
+                        "proved": False},
+        "facts": facts,
+        "witnesses": {k: v for k, v in wits.items() if v is not None},
+        "spectral_norm_le_1": facts["spectral_norm_le_1"],
+        "bounded_state": facts["bounded_state"],
+        "counterexample": _legacy_counterexample(wits.get("spectral_norm_le_1")),
+        "negative_eigenvalues": _as_bool(facts["negative_eigenvalues"]),
+        "stable": _as_bool(facts["stable"]),
+        "contraction": _as_bool(facts["spectral_norm_le_1"]),
+        "notes": notes,
+        "steps": [{"spectral_norm_le_1": r["facts"]["spectral_norm_le_1"], "stable": r["facts"]["stable"],
+                   "eigenvalues": r["eigenvalues"]} for r in parts],
+    }
+
+
+def _psd(factor: ir.Mixer, result: dict) -> bool:
+    """The factor is symmetric and its eigenvalues are proved >= 0."""
+    e = result["eigenvalues"]
+    return bool(e["proved"] and e["min"] is not None and e["min"] >= -TOL
+                and (factor.delta is None or analyse(factor).get("sym_is_symmetric")))
+
+
 def check(mixer: ir.Mixer) -> dict:
     if mixer.side == "both":
         return _check_two_sided(mixer)
+    if mixer.steps:
+        return _check_product(mixer)
     an = analyse(mixer)
     notes, eig, enclosed = list(an["notes"]), an["eig"], an["proved"]
     if mixer.side == "right":  # the facts of N are those of M: ||S N|| <= ||S|| ||N|| bounds the state alike
@@ -357,12 +432,20 @@ def _solve_well_posed(mixer: ir.Mixer, notes: list) -> bool:
 
 def explain(result: dict) -> str:
     e, f = result["eigenvalues"], result["facts"]
-    rows = [("eigenvalues", f"{_iv((e['min'], e['max']))} "
-                            f"({'proved: real, in this interval' if e['proved'] else 'not proved'})")]
+    product = "steps" in result
+    if product:  # complex in general: what is proved is a bound on their modulus
+        rows = [("eigenvalues", "modulus <= 1 (proved: every step a contraction)" if e["max"] is not None
+                 else "not proved")]
+    else:
+        rows = [("eigenvalues", f"{_iv((e['min'], e['max']))} "
+                                f"({'proved: real, in this interval' if e['proved'] else 'not proved'})")]
     for key, label in LABELS.items():
         if key not in f:
             continue
-        rows.append((label, f"{f[key]:<9}  {CLAIMS[key]}"))
+        claim = CLAIMS[key]
+        if product and key == "stable":
+            claim = "every eigenvalue of every admissible M_t (the product of the steps) has modulus <= 1"
+        rows.append((label, f"{f[key]:<9}  {claim}"))
         w = result["witnesses"].get(key)
         if w is not None:
             rows.append(("", f"witness: {WITNESS_WORDS[key](w)} at {_describe(w)}"))
@@ -407,6 +490,8 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
                 return f"in the two-sided M S N, {name}'s {why}"
         return ("the eigenvalues of the two-sided M S N could not be proved inside [-1, 1]; or add "
                 "`allow unstable`")
+    if mixer.steps:
+        return _product_error(mixer, result)
     w = result["witnesses"].get("stable")
     seen = (f"an admissible token reaches spectral radius {w['value']:.7g} at {_describe(w)}" if w else
             "no admissible token with an eigenvalue outside [-1, 1] was found either")
@@ -446,6 +531,20 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
             f"range is provable (e.g. through one input) or declare narrower input ranges{tail}")
 
 
+def _product_error(mixer: ir.Mixer, result: dict) -> str:
+    """A product whose stability is not proved: the first factor not proved a contraction, in the
+    words of a one-step spec's error, and the product's witness."""
+    j, f = next(((j, f) for j, f in enumerate(factors(mixer), 1)
+                 if result["steps"][j - 1]["spectral_norm_le_1"] != PROVED))
+    w = result["witnesses"].get("stable")
+    seen = (f"an admissible token gives the product spectral radius {w['value']:.7g} at {_describe(w)}" if w else
+            "no admissible token with an eigenvalue of the product outside the unit disk was found")
+    why = stability_error(dataclasses.replace(f, allow_unstable=False), check(f)) or "its norm is not proved <= 1"
+    why = why.removesuffix("; or add `allow unstable`")
+    return (f"the product's eigenvalues are bounded when every step is a contraction, and step {j} is not proved "
+            f"one ({why}); for the product, {seen}; or add `allow unstable`")
+
+
 def _culprit(mixer: ir.Mixer, an: dict) -> str:
     """Which part of the transition stability_error blames: "erase" (its gains, or no bound on
     c^T a), "transition" (decay and erase together), "decay", or "symmetric" (D - x y^T)."""
@@ -466,7 +565,7 @@ def error_span(mixer: ir.Mixer, result: dict):
     transition reads, when it reads one (the range comes from there), else mixer.error_span (the
     update, or the readout for the solve's errors)."""
     span = mixer.error_span(result)
-    if (result.get("solve_well_posed") is False or cg_error(mixer, result) or mixer.allow_unstable
+    if mixer.steps or (result.get("solve_well_posed") is False or cg_error(mixer, result) or mixer.allow_unstable
             or result["facts"]["stable"] == PROVED or not mixer.lets):
         return span
     part = _culprit(mixer, analyse(mixer))

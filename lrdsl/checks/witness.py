@@ -38,6 +38,9 @@ class Numeric:
     lets: tuple  # (name, kind, expression): reported with a witness (let_functions)
     aux_free: bool  # no aux state's decay or write reads an aux state (they batch over tokens)
     uses_h: bool  # the head index appears: a witness names its h
+    # a product's later steps: (a, c) of each, (None, None) for one without erase; M is their
+    # factors (I - a c^T), last leftmost, times the first step's transition
+    more: tuple = ()
 
 
 def _fn(args, e):
@@ -48,8 +51,10 @@ def numeric(mixer: ir.Mixer) -> Numeric:
     m = mixer
     exprs = [m.decay.value] + ([m.delta.a, m.delta.c] if m.delta else [])
     exprs = [m.inline_lets(e) for e in exprs]
+    more = [tuple(m.inline_lets(e) for e in (st.delta.a, st.delta.c)) for st in m.steps if st.delta is not None]
     aux = [(x.name, m.inline_lets(x.decay), m.inline_lets(x.write)) for x in m.aux]
-    syms = set().union(*(sp.sympify(e).free_symbols for e in exprs + [e for _, *p in aux for e in p]))
+    syms = set().union(*(sp.sympify(e).free_symbols for e in exprs + [e for _, *p in aux for e in p]
+                         + [e for ac in more for e in ac]))
     syms |= {ir.symbol(x.name) for x in m.aux} | {ir.HEAD}
     args = tuple(sorted(syms, key=str))
     lets = [(lt.name, lt.kind, m.inline_lets(lt.expr)) for lt in m.lets]
@@ -58,7 +63,8 @@ def numeric(mixer: ir.Mixer) -> Numeric:
                    tuple((n, _fn(args, dc), _fn(args, w)) for n, dc, w in aux),
                    tuple((n, k, e) for n, k, e in lets if sp.sympify(e).free_symbols <= syms),
                    not any(sp.sympify(e).has(ir.symbol(x.name)) for _, *p in aux for e in p for x in m.aux),
-                   any(sp.sympify(e).has(ir.HEAD) for e in exprs + [e for _, *p in aux for e in p]))
+                   any(sp.sympify(e).has(ir.HEAD) for e in exprs + [e for _, *p in aux for e in p]),
+                   tuple((_fn(args, a), _fn(args, c)) for a, c in more))
 
 
 @functools.lru_cache(maxsize=8)
@@ -176,6 +182,14 @@ def _matrix(num, env, n, K):
 
 
 def _transition(num, env, n, K):
+    M = _first(num, env, n, K)
+    for fa, fc in num.more:  # a product's later factors (I - a c^T), each on the left
+        a, c = _call(num, fa, env, n, K), _call(num, fc, env, n, K)
+        M = M - a[:, :, None] * np.einsum("nk,nkj->nj", c, M)[:, None, :]
+    return M
+
+
+def _first(num, env, n, K):
     d = _call(num, num.d, env, n, K)
     M = d[:, :, None] * np.eye(K)
     if num.a is None:
@@ -334,24 +348,32 @@ def _run(num: Numeric, w: dict, cycles: int = 1):
     return env
 
 
-def _apply(d, a, c, order, S):
-    """One step of the update on S with a zero write, written as the reference scan does it."""
+def _apply(d, a, c, order, S, more=()):
+    """One token of the update on S with zero writes, written as the reference scan does it (a
+    product's later steps (a, c) in `more`)."""
     if a is None:
-        return d[:, None] * S
-    if order == "left":
         S = d[:, None] * S
-        return S - np.outer(a, c @ S)
-    if order == "sum":
-        return d[:, None] * S - np.outer(a, c @ S)
-    return d[:, None] * (S - np.outer(a, c @ S))
+    elif order == "left":
+        S = d[:, None] * S
+        S = S - np.outer(a, c @ S)
+    elif order == "sum":
+        S = d[:, None] * S - np.outer(a, c @ S)
+    else:
+        S = d[:, None] * (S - np.outer(a, c @ S))
+    for a2, c2 in more:
+        S = S - np.outer(a2, c2 @ S)
+    return S
 
 
 def _pieces(num, env, K):
+    """d, a, c of every token, and the (a, c) of a product's later steps at every token."""
     T = len(env["h"])
     d = _call(num, num.d, env, T, K)
+    more = [(_call(num, fa, env, T, K), _call(num, fc, env, T, K)) for fa, fc in num.more]
+    more = [[(a[t], c[t]) for a, c in more] for t in range(T)]
     if num.a is None:
-        return d, [None] * T, [None] * T
-    return d, _call(num, num.a, env, T, K), _call(num, num.c, env, T, K)
+        return d, [None] * T, [None] * T, more
+    return d, _call(num, num.a, env, T, K), _call(num, num.c, env, T, K), more
 
 
 def replay_step(num: Numeric, w: dict):
@@ -362,9 +384,9 @@ def replay_step(num: Numeric, w: dict):
     last = {f"aux:{name}": _value(env[name][-1]) for name, _, _ in num.aux}
     for (name, kind, _), f in zip(num.lets, let_functions(num)):
         last[f"let:{name}"] = _value(_call(num, f, env, len(env["h"]), K)[-1, :1 if kind == "scalar" else K])
-    d, a, c = _pieces(num, {k: v[-1:] for k, v in env.items()}, K)
+    d, a, c, more = _pieces(num, {k: v[-1:] for k, v in env.items()}, K)
     order = num.mixer.delta.order if num.mixer.delta else None
-    return _apply(d[0], a[0], c[0], order, np.eye(K)), last
+    return _apply(d[0], a[0], c[0], order, np.eye(K), more[0]), last
 
 
 def replay_cycle(num: Numeric, w: dict):
@@ -373,7 +395,7 @@ def replay_cycle(num: Numeric, w: dict):
     does not within REPLAY_TOKENS tokens."""
     K, steps = w["K"], len(w["steps"])
     env = _run(num, w, REPLAY_TOKENS // steps)
-    d, a, c = _pieces(num, env, K)
+    d, a, c, more = _pieces(num, env, K)
     order = num.mixer.delta.order if num.mixer.delta else None
     S, start = np.eye(K), None
     first = len(d) - steps * (REPLAY_TOKENS // steps)
@@ -383,7 +405,7 @@ def replay_cycle(num: Numeric, w: dict):
             if not (np.isfinite(start) and start > 1e-200):
                 return None
         with np.errstate(all="ignore"):
-            S = _apply(d[t], a[t], c[t], order, S)
+            S = _apply(d[t], a[t], c[t], order, S, more[t])
         if t >= first and (t - first + 1) % steps == 0:
             grown = np.linalg.norm(S) / start
             if not np.isfinite(grown):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from lrdsl.codegen.readouts import fused
 from lrdsl.codegen.texpr import code, number, var
 from lrdsl.frontend import ir, primitives
 
@@ -82,9 +83,12 @@ def chain(m: ir.Mixer) -> Chain | None:
     if any(a.kind != "K" or (a.decay.free_symbols | a.write.free_symbols) & {ir.symbol(n) for n in names}
            for a in m.aux):
         return None
-    kv = {"u": m.write.key, "r": m.query}
+    before = fused(m)  # the staged kernels read S_prev^T r, c the bonus's key vector
+    kv = {"u": m.write.key, "r": before.query if before else m.query}
     if m.delta is not None:
         kv["c"] = m.delta.c
+    elif before is not None and before.bonus_key is not None:
+        kv["c"] = before.bonus_key
     if m.solve_lam is not None:
         kv["kk"] = next(i.symbol for i in m.inputs if i.name == "k")
         kv["lam"] = m.solve_lam

@@ -10,6 +10,8 @@ from lrdsl.frontend import ir
 
 def generate(m: ir.Mixer) -> str:
     """The standalone module for a mixer."""
+    if m.steps:  # a product runs on its sub-mixer's module (codegen/product.py), never on one of its own
+        raise ValueError(f"mixer {m.name} has {m.n_steps} steps per token: generate its sub-mixer's module")
     if m.solve_lam is not None:  # the offline solve (Mesa) has kernels of its own
         return render_solve(solve_plan(m), __version__)
     return render(plan(m), __version__)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from lrdsl.codegen.chain import Chain, chain
+from lrdsl.codegen.readouts import fused
 from lrdsl.codegen.split import not_staged as _not_staged
 from lrdsl.codegen.split import split_ir
 from lrdsl.codegen.texpr import code, number, var
@@ -53,7 +54,7 @@ class Raw:
 @dataclass(frozen=True)
 class Aux:
     """One auxiliary state of the spec (P_t = alpha_t P_{t-1} + beta_t) and the names the kernels
-    give it, all made from its validated name: the pointer prefixes ("aux_", "auxin_", "auxout_")
+    give it, all made from its validated name: the pointer prefixes ("aux_", "auxin_", "auxout_", "auxall_")
     differ in their fourth letter, so no two names of two states meet."""
     name: str  # the spec's name of the state
     kind: str  # "K" | "V"
@@ -81,6 +82,11 @@ class Aux:
         return f"auxout_{self.name}_ptr"
 
     @property
+    def all_ptr(self) -> str:
+        """Its value after every token (the recurrent kernel's, for a multi-token step)."""
+        return f"auxall_{self.name}_ptr"
+
+    @property
     def chunked(self) -> bool:
         """The aux pass takes the chunked form (a weighted sum of rows per chunk) instead of the pair
         scan: its decay is one number per head and token (docs/kernels/host.md)."""
@@ -93,6 +99,10 @@ class Tuning:
     hard-code them). Measurements behind the defaults: docs/kernels/host.md."""
     recurrent_bv: int = 32
     recurrent_warps: int = 1
+    # few sequences (decoding at small B): value tiles halve down to recurrent_min_bv while the launch
+    # has fewer than recurrent_min_programs programs (not measured yet: benchmarks/device/decode.sh)
+    recurrent_min_bv: int = 8
+    recurrent_min_programs: int = 256
     chunk_size: int = 64  # BT; 16 for per-channel decays, whose pairwise terms are built elementwise
     chunk_size_wide_k: int = 16  # BT when K > wide_k: [BT, K] fp32 dot operands must fit in shared memory
     wide_k: int = 128
@@ -250,6 +260,11 @@ class Plan:
     # them instead of the states
     stored_lets: tuple = ()
     aux_lets: tuple = ()  # block variables of the lets that read an auxiliary state (directly or not)
+    # the staged kernels read the state before each token's update, S_prev^T r (codegen/readouts.py's
+    # fused): P strictly causal, the query decayed by G - g; plus, where bonus_key is not "", the
+    # bonus (r . c) z on P's diagonal, c (the erase read, unused without an erase) its key vector
+    readout_before: bool = False
+    bonus_key: str = ""
 
     # the route's decisions and the tuning, under the names the templates read
     staged = _route_flag("staged")
@@ -270,6 +285,8 @@ class Plan:
     decay_grad_from_vectors = _route_flag("decay_grad_from_vectors")
     recurrent_bv = _tuning("recurrent_bv")
     recurrent_warps = _tuning("recurrent_warps")
+    recurrent_min_bv = _tuning("recurrent_min_bv")
+    recurrent_min_programs = _tuning("recurrent_min_programs")
     chunk_size = _tuning("chunk_size")
     chunk_size_wide_k = _tuning("chunk_size_wide_k")
     wide_k = _tuning("wide_k")
@@ -424,6 +441,7 @@ def plan(m: ir.Mixer) -> Plan:
     raw_key = _raw_key(m) if not not_staged else None
     raw_query = _raw_query(m) if not not_staged else None
     raw_wy = _raw_wy(m) if not not_staged else ()
+    before = fused(m)
     return Plan(
         mixer=m.name,
         summary=summary,
@@ -439,7 +457,7 @@ def plan(m: ir.Mixer) -> Plan:
         erase_c=code(m.delta.c) if m.delta else "",
         write_key=code(m.write.key),
         write_value=code(m.write.value),
-        query=code(m.query),
+        query=code(before.query if before else m.query),
         log_decay=_floored(m),
         route=route(staged_reason=staged_reason, rank2=rank2, delta=m.delta is not None, decay_kind=m.decay.kind,
                     key_norm=any(i.l2norm and i.kind == "K" for i in m.inputs),
@@ -459,6 +477,8 @@ def plan(m: ir.Mixer) -> Plan:
         aux_lets=tuple(var(lt.name) for lt in aux_lets),
         side=m.side,
         **_n_fields(m),
+        readout_before=before is not None,
+        bonus_key=code(before.bonus_key) if before is not None and before.bonus_key is not None else "",
     )
 
 

@@ -68,7 +68,8 @@ def _staged_forward(plan: Plan) -> tuple:
     if plan.solve_wy_fused:
         out.append("staged_solve_wy.py.jinja")
     elif diag:
-        out += ["staged_solve_blocks.py.jinja", "staged_fwd_solve.py.jinja"]
+        blocks = "staged_solve_blocks_before.py.jinja" if plan.readout_before else "staged_solve_blocks.py.jinja"
+        out += [blocks, "staged_fwd_solve.py.jinja"]
     elif plan.delta:
         out += ["staged_fwd_lower_inverse.py.jinja", "staged_fwd_solve.py.jinja"]
     if plan.split_solve:
@@ -202,20 +203,28 @@ def _fwd_holes(plan: Plan) -> dict:
     # the erase reads the state before the token's decay (order "sum"): c's exponent in the chunk
     # frame is G - gl, where G is u's and r's (the token's own log-decay gl, never its negation alone)
     c_gx = plan.erase_read_shift
+    # the readout of the state before the token (plan.readout_before): r's exponent is Gx, the
+    # decay cumulated before the token (_cumsum_before: never an exponent of -gl), P strictly
+    # causal, the bonus r . c on its diagonal (_diagonal_blocks_before)
+    r_gx = plan.readout_before
     return dict(
+        query_decay="_cumsum_before(b_gl, o_t)" if r_gx else "tl.cumsum(b_gl, 0)",
+        r_dec="tl.exp(_cumsum_before(b_gl, o_s))" if r_gx else "b_dec",  # Gx - ref_i: the block's own sums
+        diagonal_blocks="_diagonal_blocks_before" if r_gx else "_diagonal_blocks",
         decays=decays,
         keys_in_solve=keys_in_solve,
         c_gx=c_gx,
         # c decayed to the 16-token block's start ref_i (solve_diagonal): b_dec's, or its own factor
         c_dec="tl.exp(b_G - b_gl - b_ref{i}[None, :])" if c_gx else "b_dec",
-        c_G="b_G - b_gl" if c_gx else "b_G",  # c's rows' G in the exact diagonal block
+        # c's rows' G in the exact diagonal block (r's, for the readout before the token)
+        c_G="b_ref{i}[None, :] + _cumsum_before(b_gl, o_s)" if r_gx else "b_G - b_gl" if c_gx else "b_G",
         c_row="b_Gc" if c_gx else "b_G",  # A's rows' G per block (solve_scalar)
         blocks=nb,
         # the solve's diagonal blocks: X's and A's (arguments), the inverses a helper returns
         diagonal_x=", ".join(f"b_X{i}{i}" for i in range(nb)),
         diagonal_a="".join(f"b_A{i}{i}, " for i in range(nb)),
         block_inverses=", ".join(f"b_X{i} + eye" for i in range(nb)),
-        erase_c=plan.erase_c if plan.delta else "0.0",
+        erase_c=plan.erase_c if plan.delta else plan.bonus_key or "0.0",
         log_decays=(f"tl.where(m_tk, {plan.log_decay}, 0.0)" if diag else
                     f"tl.sum(tl.where(m_t[:, None], {plan.log_decay if decays else '0.0'}, 0.0), 1)"),
         token_log_decay=plan.log_decay if decays else "0.0",
@@ -322,10 +331,11 @@ def _staged_backward(plan: Plan) -> tuple:
         raise ValueError("staged_de and its staged_dk take an erase and a scalar decay (plan.split_dk)")
     dstate = "staged_bwd_dstate_erase.py.jinja" if plan.delta else "staged_bwd_dstate.py.jinja"
     if plan.decay_kind == "diagonal":
+        pair = ("staged_bwd_pair_erase.py.jinja" if plan.delta else
+                "staged_bwd_pair_before.py.jinja" if plan.readout_before else "staged_bwd_pair.py.jinja")
         return ("staged_bwd_dq_key.py.jinja", dstate,
                 "staged_bwd_dk_key_erase.py.jinja" if plan.delta else "staged_bwd_dk_key.py.jinja",
-                "staged_bwd_pair_erase.py.jinja" if plan.delta else "staged_bwd_pair.py.jinja",
-                "staged_bwd_host_key.py.jinja")
+                pair, "staged_bwd_host_key.py.jinja")
     stage3 = ("staged_bwd_dk_erase.py.jinja" if plan.delta else "staged_bwd_dk.py.jinja",)
     host = "staged_bwd_host.py.jinja"
     # c's shares on G - g moved to the token before (order "sum", a decay per token and head)
@@ -337,6 +347,37 @@ def _staged_backward(plan: Plan) -> tuple:
         stage3 = ("staged_bwd_de.py.jinja", "staged_bwd_dk_de.py.jinja")
         host = "staged_bwd_host_de.py.jinja"
     return (*helpers, "staged_bwd_dq.py.jinja", dstate, *stage3, host)
+
+
+def _before_holes(plan: Plan) -> dict:
+    """The staged backward's holes for the readout of the state before the token
+    (plan.readout_before, a decay per key channel): r's exponent G - gl in Rg (stage 1) and in the
+    pairs (staged_bwd_pair_before.py.jinja), dP strictly causal, and with a bonus (plan.bonus_key)
+    its gradients from dP's diagonal dd = dO_t . z_t: dc = dd r (stored by stage 1, final) and
+    dd c, which stage 4 adds to r's after the log-decays' sums (the bonus reads no decay). "" where
+    the plan has none of it."""
+    bonus = bool(plan.bonus_key)
+    mask = ">" if plan.readout_before else ">="
+    dp_causal = f"    b_dp = tl.where(o_t[:, None] {mask} o_t[None, :], b_dp, 0.0)"
+    if bonus:
+        dp_causal = ("    b_dd = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_dp, 0.0), 1)  # the bonus's (r . c)\n"
+                     + dp_causal)
+    return dict(
+        dp_causal=dp_causal,
+        query_decay="_cumsum_before(b_gl, o_t)" if plan.readout_before else "tl.cumsum(b_gl, 0)",
+        dq_args=" dc_ptr, drb_ptr," if bonus else "",
+        dq_call="dc, drb, " if bonus else "",
+        dq_bonus=("    tl.store(dc_ptr + p_tk, (b_dd[:, None] * b_r).to(dc_ptr.dtype.element_ty), mask=m_tk)\n"
+                  "    tl.store(drb_ptr + p_tk, (b_dd[:, None] * b_c).to(drb_ptr.dtype.element_ty), mask=m_tk)")
+        if bonus else "",
+        dq_vectors="_, b_c, b_r, b_gl" if bonus else "_, _, b_r, b_gl",
+        host_buffers=("\n    dc, drb = torch.empty(B, T, HV, K, **vg), torch.empty(B, T, HV, K, **vg)  # the bonus's "
+                      "shares (plan.bonus_key)") if bonus else "",
+        no_erase="(dc, None, None)" if bonus else "(None,) * 3",  # dc, dA, c: the bonus's dc (stage 1's)
+        pair_call="drb, " if bonus else "None, " if plan.readout_before else "",
+        dr_bonus=(" + tl.load(drb_ptr + (t0 * HV + i_hv) * K + i_ks * BKP + p_i, mask=m_ik, other=0).to(tl.float32)"
+                  if bonus else ""),
+    )
 
 
 def _bwd_decay(plan: Plan) -> str:
@@ -441,7 +482,8 @@ def backward(plan: Plan) -> tuple:
     if diag:
         out.append(Launch("dk", "key", f"staged_bwd_dk_key{erase}.py.jinja", "staged_dk_kernel", "staged_dk",
                           f"_space({'[64, 128]' if plan.delta else '[64]'}, [8], [2])", ("du_ptr", "dgl_ptr")))
-        out.append(Launch("pair", "key", f"staged_bwd_pair{erase}.py.jinja", "staged_pair_kernel"))
+        pair = erase or ("_before" if plan.readout_before else "")
+        out.append(Launch("pair", "key", f"staged_bwd_pair{pair}.py.jinja", "staged_pair_kernel"))
         return tuple(out)
     if plan.split_dk:
         out.append(Launch("de", "", "staged_bwd_de.py.jinja", "staged_de_kernel", "staged_de",

@@ -137,6 +137,15 @@ class Write:
 
 
 @dataclass(frozen=True)
+class Step:
+    """One more rank-1 step of a token's update, after the first: S = (I - a c^T) S + key value^T
+    (delta None: S + key value^T). A product of n such factors per token is DeltaProduct's transition;
+    the decay belongs to the first step alone."""
+    delta: Delta | None
+    write: Write
+
+
+@dataclass(frozen=True)
 class Bonus:
     """A readout term (x^T y) z: the sum over the channels of `kind` of `summand` (x*y), times the
     [V] vector `value`."""
@@ -186,6 +195,13 @@ class Mixer:
         """S N + write alone (a two-sided mixer's N, in decay and delta)."""
         return dataclasses.replace(self, side="right", decay=self.n_decay, delta=self.n_delta,
                                    n_decay=None, n_delta=None)
+    # the steps after the first (decay, delta, write) of each token's update, in order: the token's
+    # transition is the product of n = 1 + len(steps) rank-1 factors, each followed by its write
+    steps: tuple = ()  # Step, ...
+
+    @property
+    def n_steps(self) -> int:
+        return 1 + len(self.steps)
 
     @property
     def reads_before(self) -> bool:
@@ -209,6 +225,8 @@ class Mixer:
         body += [self.delta.a, self.delta.c] if self.delta is not None else []
         body += [self.n_decay.value] if self.n_decay is not None else []
         body += [self.n_delta.a, self.n_delta.c] if self.n_delta is not None else []
+        for st in self.steps:
+            body += [st.write.key, st.write.value] + ([st.delta.a, st.delta.c] if st.delta is not None else [])
         readout = [self.query, self.query_prev, *(e for b in self.bonus for e in (b.summand, b.value))]
         return tuple(out + [(e, self.update_span) for e in body] + [(e, self.readout_span) for e in readout])
 

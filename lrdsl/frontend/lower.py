@@ -143,7 +143,7 @@ class Lowerer:
             return Val(x.kind, x.expr)
         if isinstance(x, Mat):
             return Mat(tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in x.terms), x.dim)
-        if isinstance(x, St) and x.carried == (("diag", 1),) and not x.writes:
+        if isinstance(x, St) and x.carried == (("diag", 1),) and not x.writes and not x.inner:
             return StT()
         if isinstance(x, StPrev) and not x.transposed:
             return StPrev(True)
@@ -214,7 +214,11 @@ class Lowerer:
             return Mat(a.terms + self.scale(b, sign, n.span).terms, _dims(a, b, n.span))
         if isinstance(a, St) and isinstance(b, St):
             b = self.scale(b, sign, n.span)
-            return St(a.carried + b.carried, a.writes + b.writes, _sides(a, b, n.span), a.right or b.right)
+            if a.inner and b.inner or (a.inner and b.carried) or (b.inner and a.carried):
+                raise SpecError("in a product of steps, S enters once, innermost: write the steps nested, "
+                                "(I - a2 c2^T) ((I - a1 c1^T) D S + u1 z1^T) + u2 z2^T", n.span)
+            return St(a.carried + b.carried, a.writes + b.writes, a.inner or b.inner, side=_sides(a, b, n.span),
+                      right=a.right or b.right)
         hint = "; write I for the identity matrix" if {type(a), type(b)} == {Val, Mat} else ""
         raise SpecError(f"cannot {'add' if sign == 1 else 'subtract'} {_desc(b)} "
                         f"{'to' if sign == 1 else 'from'} {_desc(a)}{hint}", n.span)
@@ -263,8 +267,8 @@ class Lowerer:
             return Mat(tuple(("diag", s * t[1]) if t[0] == "diag" else ("outer", s * t[1], t[2])
                              for t in x.terms), x.dim)
         if isinstance(x, St):
-            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes), x.side,
-                      x.right)
+            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes), x.inner,
+                      side=x.side, right=x.right)
         if isinstance(x, Out):
             return Out(s * x.query, x.lam, s * x.prev, tuple((k, e, s * z) for k, e, z in x.bonus))
         if isinstance(x, Dot):
@@ -328,19 +332,20 @@ class Lowerer:
             if a.dim == "K" and b.side == "right":  # M (S N): two-sided
                 if b.writes:
                     raise SpecError("the write is added after the transition: write M S N + k v^T", span)
-                return St(a.terms, (), "both", b.carried)
+                return St(a.terms, (), side="both", right=b.carried)
             if b.side == "both" and not b.writes:  # M' (M S N)
-                return St(tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried), (), "both",
-                          b.right)
+                return St(tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried), (), side="both",
+                          right=b.right)
+            if any(s[0] == "outer" for s in a.terms) and (b.writes or b.inner):
+                if b.side in ("right", "both"):
+                    raise SpecError("a product of steps per token with a value-side transition (S N) is not "
+                                    "supported yet; write one step per token", span)
+                # a factor with an erase after a write: one more step of a product (DeltaProduct),
+                # the steps so far its input
+                return St(a.terms, (), b.inner + (b,))
             carried = tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried)
-            writes = []
-            for s in a.terms:
-                for u, z in b.writes:
-                    if s[0] == "outer":
-                        raise SpecError("a rank-1 matrix times the write gives a dot product c^T u; lrdsl "
-                                        "compiles (transition) S + u z^T", span)
-                    writes.append((s[1] * u, z))
-            return St(carried, tuple(writes), "left" if a.dim == "K" else b.side)
+            writes = tuple((s[1] * u, z) for s in a.terms for u, z in b.writes)
+            return St(carried, writes, b.inner, side="left" if a.dim == "K" else b.side)
         if isinstance(a, Mat) and isinstance(b, Val) and b.kind == "K" and a.dim != "V":
             if any(t[0] == "outer" for t in a.terms):
                 raise SpecError("a rank-1 matrix times a vector is a dot product; not supported here", span)
@@ -371,15 +376,16 @@ class Lowerer:
         if b.dim == "K":
             raise SpecError("shape mismatch: S is [K, V], so a factor on its right is a [V, V] matrix "
                             "(diag(gv), v v^T with [V] vectors), not a [K, K] one", span)
-        if a.writes:
+        if a.writes or a.inner:
             raise SpecError("the write is added after the transition: write S N + k v^T, not (S + k v^T) N",
                             span)
         if a.side == "left" and b.dim == "V":  # (M S) N: two-sided
-            return St(a.carried, (), "both", b.terms)
+            return St(a.carried, (), side="both", right=b.terms)
         if a.side == "both":  # (M S N) N'
-            return St(a.carried, (), "both", tuple(self.term_product(t, s, span) for t in a.right for s in b.terms))
+            return St(a.carried, (), side="both",
+                      right=tuple(self.term_product(t, s, span) for t in a.right for s in b.terms))
         carried = tuple(self.term_product(t, s, span) for t in a.carried for s in b.terms)
-        return St(carried, (), "right" if b.dim == "V" else a.side)
+        return St(carried, (), side="right" if b.dim == "V" else a.side)
 
     @staticmethod
     def term_product(s, t, span):
@@ -390,7 +396,8 @@ class Lowerer:
         if t[0] == "diag":
             return ("outer", s[1], s[2] * t[1])
         raise SpecError("the product of two outer products (a c^T)(u w^T) contains the dot product c^T u; "
-                        "lrdsl compiles one rank-1 erase per token: (I - a c^T) D", span)
+                        "lrdsl compiles one rank-1 erase per step: (I - a c^T) D S + u z^T, or several steps "
+                        "per token written nested, (I - a2 c2^T) ((I - a1 c1^T) D S + u1 z1^T) + u2 z2^T", span)
 
     # -- statements
     def declare(self, name, kind, span, what):
@@ -482,7 +489,7 @@ def lower(spec: Spec) -> ir.Mixer:
         raise SpecError("the spec has no update of the state; add a line like `S = S + k v^T`", spec.span)
     if readout is None:
         raise SpecError("the spec has no readout; add the line `o = S^T q`", spec.span)
-    decay, delta, write, side, n = transition(lw, update)
+    decay, delta, write, steps, side, n = transition(lw, update)
     out = lw.expr(readout.expr)
     if not isinstance(out, Out):
         raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
@@ -508,8 +515,9 @@ def lower(spec: Spec) -> ir.Mixer:
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
                  readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow,
-                 query_prev=out.prev, bonus=bonus, side=side, n_decay=n[0] if n else None,
+                 query_prev=out.prev, bonus=bonus, steps=steps, side=side, n_decay=n[0] if n else None,
                  n_delta=n[1] if n else None)
+    _check_product(m, update.span)
     if side != "left":
         _check_value_side(m, update.span, readout.span)
     check_constants(m, update.span)
@@ -524,6 +532,18 @@ def _check_value_side(m: ir.Mixer, span, readout_span) -> None:
     if m.solve_lam is not None or m.reads_before:
         raise SpecError("a value-side transition (S N) reads out as o = S^T x alone: S_prev^T, dot-product "
                         "terms and the offline solve are not supported with it yet", readout_span)
+
+
+def _check_product(m: ir.Mixer, span) -> None:
+    """What a product of steps per token does not take yet: each is refused with the reason."""
+    if not m.steps:
+        return
+    why = ("auxiliary states (they would advance once per step)" if m.aux else
+           "an offline solve" if m.solve_lam is not None else
+           "readout terms beside S^T x (S_prev^T y, dot products)" if m.reads_before else "")
+    if why:
+        raise SpecError(f"a product of {m.n_steps} steps per token does not take {why} yet; write one step "
+                        "per token, or drop them", span)
 
 
 def _check_before_terms(out: Out, aux, lets, span) -> None:

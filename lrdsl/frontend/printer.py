@@ -145,6 +145,13 @@ def transition(m: ir.Mixer) -> str:
     return f"{erase} {dtext}" if m.delta.order == "left" else f"{dtext} {erase}"
 
 
+def product(m: ir.Mixer) -> str:
+    """The whole transition M_t of a token (a product's factors, the last leftmost) as spec text."""
+    erases = [f"(I - {_vec(st.delta.a)} {_vec(st.delta.c)}^T)" for st in reversed(m.steps) if st.delta is not None]
+    t = transition(m)
+    return " ".join(erases + ([] if t == "I" and erases else [t]))
+
+
 def explicit(m: ir.Mixer) -> str:
     lines = [f"mixer {m.name}", "input " + ", ".join(decl(i) for i in m.inputs)]
     if m.params:
@@ -153,9 +160,7 @@ def explicit(m: ir.Mixer) -> str:
         lines.append(f"state {a.name}[{a.kind}] = {expr(a.decay * ir.symbol(a.name) + a.write)}")
     for lt in m.lets:
         lines.append(f"let {lt.name} = {expr(lt.expr)}")
-    t = transition(m)
-    carried = "S" if t == "I" else t if m.side == "both" else f"S {t}" if m.side == "right" else f"{t} S"
-    lines.append(f"S = {carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T")
+    lines.append(f"S = {update(m)}")
     lines.append(f"o = {readout(m)}")
     if m.solve_lam is not None and m.solve_steps != ir.Mixer.solve_steps:
         lines.append(f"solve offline steps {m.solve_steps}")
@@ -164,6 +169,17 @@ def explicit(m: ir.Mixer) -> str:
     if m.allow_ill_conditioned:
         lines.append("allow ill_conditioned")
     return "\n".join(lines) + "\n"
+
+
+def update(m: ir.Mixer) -> str:
+    """The right-hand side of the update line: S = <this>; a product of steps nested, innermost first."""
+    t = transition(m)
+    carried = "S" if t == "I" else t if m.side == "both" else f"S {t}" if m.side == "right" else f"{t} S"
+    out = f"{carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T"
+    for st in m.steps:
+        erase = "" if st.delta is None else f"(I - {_vec(st.delta.a)} {_vec(st.delta.c)}^T) "
+        out = f"{erase}({out}) + {_vec(st.write.key)} {_vec(st.write.value)}^T"
+    return out
 
 
 def readout(m: ir.Mixer) -> str:
@@ -206,6 +222,12 @@ def canonical(m: ir.Mixer) -> str:
     if m.side == "right":
         out.append("side    value     S = S N + write (N [V, V] multiplies the state's rows from the right)")
     out.append(f"write   rank-1    {_vec(m.write.key)} {_vec(m.write.value)}^T")
+    for i, st in enumerate(m.steps, 2):
+        erase = "none" if st.delta is None else f"(I - a c^T),  a = {expr(st.delta.a)},  c = {expr(st.delta.c)}"
+        out.append(f"step {i}  rank-1    M = {erase}, then write {_vec(st.write.key)} {_vec(st.write.value)}^T")
+    if m.steps:
+        out.append(f"product           {m.n_steps} steps per token (the decay on the first): chunk and "
+                   f"recurrent run them as {m.n_steps} sub-tokens of one step each")
     if m.solve_lam is None and m.reads_before:
         out.append(f"readout           o = scale * ({readout(m)})")
         out.append("                  (S_prev: the state before the token's update)")

@@ -15,25 +15,56 @@ from lrdsl.frontend.values import describe as _desc
 
 
 def transition(lw, update: Update):
-    """(decay, delta, write, side, n): M's (or, on the value side, N's) canonical decay and erase,
-    the write, the side ("left", "right" or "both") and, for a two-sided M S N, N's (decay, delta)."""
+    """(decay, delta, write, steps, side, n): the first step of the token's update (M's, or on the
+    value side N's, canonical decay and erase, and the write), the steps after it (ir.Step, none for
+    a single step), the side ("left", "right" or "both") and, for a two-sided M S N, N's (decay, delta)."""
     val = lw.expr(update.expr)
     if not isinstance(val, St):
         raise SpecError(f"the update must be a [K, V] expression in S, like M S + k v^T; this is "
                         f"{_desc(val)}", update.span)
     span = update.span
+    if val.side in ("right", "both"):
+        if val.inner:
+            raise SpecError("a product of steps per token with a value-side transition (S N) is not "
+                            "supported yet; write one step per token", span)
+        if not val.carried:
+            raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
+        decay, delta = _canonical(lw, val.carried, span, "right" if val.side == "right" else "left")
+        n = _canonical(lw, val.right, span, "right") if val.side == "both" else None
+        return decay, delta, _write(lw, val, span), (), val.side, n
+    if not val.inner:
+        return (*_step(lw, val, span), (), "left", None)
+    first, *rest = val.inner + (St(val.carried, val.writes),)
+    decay, delta, write = _step(lw, first, span, "the first step")
+    steps = []
+    for i, st in enumerate(rest, 2):
+        d, dl, w = _step(lw, st, span, f"step {i}")
+        if d.kind != "identity":
+            raise SpecError(f"step {i} of the product has a decay ({d.value}); lrdsl takes one decay per token, "
+                            "on the first step: move it inside, next to S, as in "
+                            "(I - a2 c2^T) ((I - a1 c1^T) exp(g) S + u1 z1^T) + u2 z2^T", span)
+        steps.append(ir.Step(dl, w))
+    return decay, delta, write, tuple(steps), "left", None
+
+
+def _step(lw, val: St, span, which: str = ""):
+    """One step's (decay, delta, write) from its carried terms and writes."""
+    if which and not val.writes:
+        raise SpecError(f"{which} of the product has no write term; each step is (I - a c^T) S + u z^T",
+                        span)
     if not val.carried:
         raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
-    side = val.side if val.side in ("right", "both") else "left"
-    decay, delta = _canonical(lw, val.carried, span, "right" if side == "right" else "left")
-    n = _canonical(lw, val.right, span, "right") if side == "both" else None
+    return (*_canonical(lw, val.carried, span, "left"), _write(lw, val, span))
+
+
+def _write(lw, val: St, span) -> ir.Write:
     writes = _combine(list(val.writes), lw, span, "write")
     if not writes:
         raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
     (key, value), = writes
-    vsyms = [lw.symbols[n_] for n_, k in lw.kinds.items() if k == "V"]
+    vsyms = [lw.symbols[n] for n, k in lw.kinds.items() if k == "V"]
     coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
-    return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart), side, n
+    return ir.Write(sp.factor_terms(key * coeff), vpart)
 
 
 def _canonical(lw, carried, span, side: str):

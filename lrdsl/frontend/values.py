@@ -30,6 +30,9 @@ class Mat:  # K x K (dim "K"), V x V (dim "V") or the identity's either (dim "")
 class St:  # [K, V]: carried terms (Mat terms multiplying S) and writes ((u, z), ...)
     carried: tuple
     writes: tuple
+    # earlier steps of a product (DeltaProduct): St values, innermost first; where there are any,
+    # carried multiplies the state after them, not S itself
+    inner: tuple = ()
     # which side the carried terms multiply S from: "left" (M S, [K, K] terms), "right" (S N, [V, V]
     # terms), "both" (M S N: carried M's terms, right N's), "" while they are numbers times I (plain S)
     side: str = ""

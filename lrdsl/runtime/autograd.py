@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from lrdsl.codegen.plan import Plan
+from lrdsl.codegen.readouts import fused
 from lrdsl.frontend import ir
 from lrdsl.runtime import nonfinite
 from lrdsl.runtime.reference import prepare_inputs, to_torch
@@ -169,9 +170,12 @@ def token_vectors(m: ir.Mixer, b: Batch, dtype=torch.float32, finals: bool = Fal
             ends["final " + a.name] = _at_ends(env[a.name], b, j)
     for lt in m.lets:
         env[lt.name] = to_torch(lt.expr)(env)
+    before = fused(m)  # the kernels read S_prev^T r, c the bonus's key vector (codegen/readouts.py)
     out = {"u": _full(to_torch(m.write.key)(env), shp["K"], dtype, dev),
            "z": _full(to_torch(m.write.value)(env), shp["V"], dtype, dev),
-           "r": _full(to_torch(m.query)(env), shp["K"], dtype, dev) * b.scale}
+           "r": _full(to_torch(before.query if before else m.query)(env), shp["K"], dtype, dev) * b.scale}
+    if before is not None and before.bonus_key is not None:
+        out["c"] = _full(to_torch(before.bonus_key)(env), shp["K"], dtype, dev)
     out.update(ends)
     if m.solve_lam is not None:  # the offline solve: its Gram state's other side k, and lam
         out["kk"] = _full(env["k"], shp["K"], dtype, dev)
@@ -204,13 +208,26 @@ def _batch_like(batch: Batch, tensors: dict) -> Batch:
 
 
 def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved=None, residual=None,
-                initial_aux=None, dfinal_aux=()):
+                initial_aux=None, dfinal_aux=(), residual_owned=False):
     """(gradients of every input (None where not needed), of h0, of each auxiliary initial state)
     for the chunked kernels. `saved` / `residual`: what the forward kept for the backward (or None);
     initial_aux: the auxiliary states the forward started from (fp32; None for zeros, then the third
     part is empty); dfinal_aux: the gradients of the auxiliary final states (None for zero).
     Inputs with non-finite entries: the backward of their finite copies (runtime/nonfinite.py), nan
-    at those entries."""
+    at those entries. residual_owned: no one but this backward reads `residual` (ChunkFunction's; the
+    custom op's is an output of its forward), so it may be changed in place."""
+    if nonfinite.MODE == "device":  # no wait for the device (runtime/nonfinite.py)
+        finite, bad = nonfinite.device_copies(mixer_ir, names, tensors)
+        by_name = dict(zip(names, finite))
+        order = getattr(module, "INPUTS", ())
+        kept = nonfinite.finite_kept(saved, [by_name[n] for n in order] if all(n in by_name for n in order) else None)
+        if residual_owned and residual is not None and residual.is_contiguous() and any(f is not None for f in bad):
+            residual = nonfinite.zero_nonfinite_(residual, torch.stack([f for f in bad if f is not None]).amax())
+        else:
+            residual = nonfinite.finite_kept(residual)
+        grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, finite, h0, do, dht, needs,
+                                        kept, residual, initial_aux, dfinal_aux)
+        return nonfinite.device_nan_at(mixer_ir, names, tensors, grads, bad), dh0, daux
     masks = nonfinite.bad_entries(mixer_ir, names, tensors)
     if masks is None:
         return _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved, residual,
@@ -402,7 +419,7 @@ class ChunkFunction(torch.autograd.Function):
         tensors, aux0 = list(stored[:n]), (list(stored[n:]) if aux_dtypes else None)
         needs = ctx.needs_input_grad[7:]
         grads, dh0, daux = input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs[:n], saved,
-                                       residual=residual, initial_aux=aux0, dfinal_aux=dfinal_aux)
+                                       residual=residual, initial_aux=aux0, dfinal_aux=dfinal_aux, residual_owned=True)
         dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[5] else None
         daux = [g.to(d) if need else None for g, d, need in zip(daux, aux_dtypes, needs[n:])]
         out = (None, None, None, None, None, dh0, None, *grads, *daux)

@@ -31,12 +31,14 @@ independent of T.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from lrdsl.errors import InputError
+from lrdsl.runtime.affine import aux_maps, copies, fallback_maps, finish, prefix, wide_run, widens
+
+__all__ = ["chunk", "pieces", "widens"]
 
 
 @dataclass(frozen=True)
@@ -345,44 +347,26 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
     if widths:
         zero_aux = [torch.zeros(n_carry, HV, w, **f32) for w in widths]
         if carries and me.through:  # one call from the starts 0 and 1 (one value channel will do)
-            x = _copies(head, 2, per_token)
-            x = x if any(a.kind == "V" for a in mixer.ir.aux) else _narrow(mixer.ir, x)
-            _, _, f = run(x, torch.zeros(2 * n_carry, HV, K, x["v"].shape[-1], **f32),
-                          [torch.cat([z, torch.ones_like(z)]) for z in zero_aux])
-            r, l = [a[:n_carry] for a in f], [a[n_carry:] - a[:n_carry] for a in f]
+            l, r = aux_maps(mixer.ir, run, copies(head, 2, per_token), zero_aux,
+                            [torch.ones_like(z) for z in zero_aux])
         elif carries:  # the carried sequence starts here: its outgoing state is rest's
             r, l = [a[-n_carry:] for a in rest[2]], zero_aux
         else:
             r, l = zero_aux, zero_aux
         maps = _gather(_tie(torch.cat([*l, *r], -1).float(), *leaves), group, grad)
         tied += maps
-        P = None
-        for i in range(rank):
-            li, ri = maps[i][..., :sum(widths)], maps[i][..., sum(widths):]
-            P = ri if (P is None or not every[i].through) else li * P + ri
         if me.from_left:
-            aux_in = list(torch.split(P, widths, -1))
+            aux_in = list(torch.split(_compose(maps, sum(widths), every, rank, torch.mul), widths, -1))
 
     # ---- 2. this rank's map of the state: the head's final state is L S_in + R ---------------------
     wide = me.from_left and widens(mixer.ir)
     if wide:  # one run with K more value columns: [R | L] and the readout of S_in beside o
         E = torch.eye(K, **f32).expand(n_carry, HV, K, K)
-        head_run = run(_widen(mixer.ir, head, K), torch.cat([zero_S, E], -1), aux_in)
-        R_h, L_h = head_run[1][..., :V], head_run[1][..., V:]
+        o_w, R_h, L_h, aux_h = wide_run(mixer.ir, run, head, zero_S, E, aux_in)
     if carries and me.through and wide:
         R, L = R_h, L_h
     elif carries and me.through:  # one run from 0 and from identity-like starts, as a batch
-        starts, cols = [zero_S], []
-        for b0 in range(0, K, V):
-            w = min(V, K - b0)
-            E = torch.zeros_like(zero_S)
-            E[..., b0 + torch.arange(w, device=dev), torch.arange(w, device=dev)] = 1.0
-            starts.append(E)
-            cols.append(w)
-        c = len(starts)
-        _, F, _ = run(_copies(head, c, per_token), torch.cat(starts), [torch.cat([a] * c) for a in aux_in])
-        R = F[:n_carry]
-        L = torch.cat([(F[(j + 1) * n_carry:(j + 2) * n_carry] - R)[..., :w] for j, w in enumerate(cols)], -1)
+        R, L = fallback_maps(run, lambda c: copies(head, c, per_token), zero_S, aux_in)
     else:  # nothing to carry on, or the carried sequence starts here
         L = torch.zeros(n_carry, HV, K, K, **f32)
         R = rest[1][-n_carry:] if carries else zero_S
@@ -390,17 +374,12 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
     # ---- 3. the maps of every rank, gathered and composed: the incoming state ------------------
     maps = _gather(_tie(torch.cat([L, R], -1).float(), *tied, *leaves), group, grad)  # after the aux gather
     tied += maps
-    S = None
-    for i in range(rank):
-        Li, Ri = maps[i][..., :K], maps[i][..., K:]
-        S = Ri if (S is None or not every[i].through) else Li @ S + Ri
+    S = _compose(maps, K, every, rank, torch.matmul) if rank else None
 
     # ---- 4. the head from its true incoming state; the rest as it ran -------------------------
     parts = []
     if wide:  # o = o from 0 + (readout of the identity) S_in; final = R + L S_in
-        o_w = head_run[0]
-        o_h = o_w[..., :V].float() + torch.einsum("bthk,bhkv->bthv", o_w[..., V:].float(), S)
-        parts.append((o_h.to(o_w.dtype), R_h + L_h @ S, head_run[2]))
+        parts.append((finish(o_w, V, S), R_h + L_h @ S, aux_h))
     elif me.from_left:
         parts.append(run(head, S, aux_in))
     if rest is not None:
@@ -416,47 +395,9 @@ def chunk(mixer, q, k, v, scale, initial_state, output_final_state, cu_seqlens, 
     return o, MixerState(fin, {a.name: t for a, t in zip(mixer.ir.aux, aux)})
 
 
-@functools.lru_cache(maxsize=64)
-def widens(m) -> bool:
-    """Whether the head's map can ride in one run beside its values: K more value columns with
-    v = 0 and the identity as their incoming state carry the transition's product (L) in their final
-    state and each token's readout of the incoming state in o, because every value column evolves
-    on its own under the same K x K transitions. That needs the write's value to vanish with v (it
-    does in every example) and v = 0 inside v's range; no auxiliary state per value channel, and no
-    other value-channel input normalised or declared unit (its pad, a copy of channel 0, would
-    change its norm). Otherwise the maps take one batched run and the head a second one."""
-    import sympy as sp
-
-    from lrdsl.frontend.ir import symbol
-    v = m.input("v")
-    if m.bonus:  # a dot-product term of the readout is not linear in the incoming state
-        return False
-    if (v.lo > 0 or v.hi < 0 or (v.lo == 0 and v.lo_open) or (v.hi == 0 and v.hi_open)
-            or any(a.kind == "V" for a in m.aux)
-            or any(i.kind == "V" and i.name != "v" and (i.l2norm or i.unit) for i in m.inputs)):
-        return False
-    return sp.simplify(m.inline_lets(m.write.value).xreplace({symbol("v"): 0})) == 0
-
-
-def _widen(m, x: dict, K: int) -> dict:
-    """x with K more value channels: zeros in v, a copy of channel 0 (detached: in range, and the
-    write there is zero whatever it holds) in every other value-channel input and param."""
-    kinds = m.kinds()
-    out = dict(x)
-    for n, t in x.items():
-        if kinds[n] == "V":
-            pad = t[..., :1].detach().expand(*t.shape[:-1], K)
-            out[n] = torch.cat([t, torch.zeros_like(pad) if n == "v" else pad], -1)
-    return out
-
-
-def _narrow(m, x: dict) -> dict:
-    """x with value channel 0 alone (for the auxiliary maps: auxiliary states per key channel never
-    read a value channel)."""
-    kinds = m.kinds()
-    return {n: (t[..., :1] if kinds[n] == "V" else t) for n, t in x.items()}
-
-
-def _copies(x: dict, c: int, per_token: set) -> dict:
-    """c copies of the batch x side by side along the batch (params once)."""
-    return {n: (torch.cat([t] * c) if n in per_token else t) for n, t in x.items()}
+def _compose(maps, n_l: int, every: list, rank: int, mul):
+    """The state entering this rank from the gathered maps [world, ..., L | R] of the ranks before
+    it, composed in rank order; a rank whose carried sequence starts on it (not `through`) cuts the
+    composition."""
+    starts = torch.tensor([not every[i].through for i in range(rank)], device=maps.device)
+    return prefix(maps[:rank, ..., :n_l], maps[:rank, ..., n_l:], mul, starts)[-1]

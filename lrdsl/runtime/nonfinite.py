@@ -10,14 +10,26 @@ backward runs on finite copies of the inputs: each entry that the kernels would 
 is replaced by a finite value inside its declared range, and its own gradient is nan (it has none).
 Every other gradient is then that of the loss on the outputs the forward left finite.
 
-The check is one reduction per input and one wait for the device per backward; only a batch with a
-bad entry pays for the masks and copies.
+Two ways to find the bad entries (MODE). "device", the default: every backward takes the finite copies,
+made by one Triton pass over each input that also sets the input's flag on the device where it has a
+nan or an infinite entry; what the forward kept for the backward (the solve's residual, the kept
+intermediates) has its non-finite entries zeroed: they sit at or after a bad token, where the loss's
+gradient is zero, so any finite value serves. The gradients get nan at the bad entries, and the
+residual is zeroed, in place by Triton kernels that do nothing where the flags are clear. No wait for
+the device: a training step can be captured in a CUDA graph, and the host queues the backward while
+the forward runs. "host": one reduction per input and one wait for
+the device per backward; only a batch with a bad entry pays for the masks and copies, and it recomputes
+what the forward kept (the behaviour before 2026-12-06).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import triton
+import triton.language as tl
+
+MODE = "device"  # "device": no host synchronisation; "host": a check read back once per backward
 
 
 def _fill(i) -> float:
@@ -78,3 +90,137 @@ def finite_copies(mixer_ir, names, tensors, masks) -> list:
 def nan_at(grads, masks) -> list:
     """The inputs' gradients (None where not asked for) with nan at each bad entry."""
     return [g if g is None or m is None else g.masked_fill(m, math.nan) for g, m in zip(grads, masks)]
+
+
+def _bad_ends(i) -> tuple:
+    """(+inf is bad, -inf is bad) for input i (_bad's rule: a clamp into a finite end makes that
+    infinity finite, and -inf in a log-decay is a reset)."""
+    clamped = i.clamped
+    return not (clamped and i.hi.is_finite), not (clamped and i.lo.is_finite) and not i.log
+
+
+def device_copies(mixer_ir, names, tensors) -> tuple:
+    """(the inputs with every bad entry replaced by a finite value in range, a 0-dim int32 flag per
+    input on the device, 1 where it has a nan or an infinite entry (None for one not floating
+    point)): one pass over each input that copies and flags it, nothing read back."""
+    spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    live = [j for j, (n, t) in enumerate(zip(names, tensors)) if n in spec and t.is_floating_point()]
+    if not live:
+        return list(tensors), [None] * len(tensors)
+    buf = torch.zeros(len(live), dtype=torch.int32, device=tensors[live[0]].device)
+    out, flags_ = list(tensors), [None] * len(tensors)
+    for slot, j in enumerate(live):
+        t, i = tensors[j], spec[names[j]]
+        fill = _fill(i)
+        pos, neg = _bad_ends(i)
+        flags_[j] = buf[slot]
+        if t.dtype == torch.float64 or not t.numel():  # (the kernel computes in fp32)
+            out[j] = torch.nan_to_num(t, nan=fill, posinf=fill if pos else math.inf, neginf=fill if neg else -math.inf)
+            buf[slot] = _maybe_bad(t).to(torch.int32)
+            continue
+        x = t.detach().contiguous()
+        out[j] = torch.empty_like(x)
+        _finite_copy_kernel[_launch_blocks(x.numel())](x, out[j], buf, slot, x.numel(), fill, POS=pos, NEG=neg,
+                                                       BLOCK=BLOCK)
+    return out, flags_
+
+
+BLOCK = 1024  # elements per program of the kernels below
+
+
+@triton.jit
+def _finite_copy_kernel(x_ptr, y_ptr, flags_ptr, slot, n, fill, POS: tl.constexpr, NEG: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    # y = x with fill at the bad entries (nan; +inf with POS; -inf with NEG); flags[slot] = 1 where
+    # x has a nan or an infinite entry at all (the other kernels skip a clean input)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    inf = (x == float("inf")) | (x == float("-inf"))
+    bad = x != x
+    if POS:
+        bad = bad | (x == float("inf"))
+    if NEG:
+        bad = bad | (x == float("-inf"))
+    tl.store(y_ptr + offs, tl.where(bad, fill, x).to(y_ptr.dtype.element_ty), mask=m)
+    if tl.max(((x != x) | inf).to(tl.int32), 0) > 0:
+        tl.atomic_max(flags_ptr + slot, 1)
+
+
+@triton.jit
+def _nan_at_bad_kernel(g_ptr, x_ptr, flag_ptr, n, POS: tl.constexpr, NEG: tl.constexpr, BLOCK: tl.constexpr):
+    # in place: g = nan where x is bad (nan; +inf with POS; -inf with NEG); nothing read or written
+    # where x's flag says it has no non-finite entry
+    if tl.load(flag_ptr) != 0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        bad = x != x
+        if POS:
+            bad = bad | (x == float("inf"))
+        if NEG:
+            bad = bad | (x == float("-inf"))
+        tl.store(g_ptr + offs, tl.full([BLOCK], float("nan"), tl.float32).to(g_ptr.dtype.element_ty), mask=m & bad)
+
+
+@triton.jit
+def _zero_nonfinite_kernel(x_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+    # in place: x = 0 where it is not finite, where the flag says some input has a non-finite entry
+    if tl.load(flag_ptr) != 0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        bad = (x != x) | (x == float("inf")) | (x == float("-inf"))
+        tl.store(x_ptr + offs, tl.zeros([BLOCK], tl.float32).to(x_ptr.dtype.element_ty), mask=m & bad)
+
+
+def _launch_blocks(n: int) -> tuple:
+    return (max(1, triton.cdiv(n, BLOCK)),)
+
+
+def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
+    """The gradients (None where not asked for) with nan at each bad entry of their input, on the device
+    (in place: they are this backward's own); bad_flags: device_copies' flags."""
+    spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    out = []
+    for n, t, g, f in zip(names, tensors, grads, bad_flags):
+        if g is None or n not in spec or f is None:
+            out.append(g)
+            continue
+        pos, neg = _bad_ends(spec[n])
+        if g.shape != t.shape or not g.is_contiguous() or not g.numel():
+            out.append(g.masked_fill(_bad(spec[n], t), math.nan))
+            continue
+        _nan_at_bad_kernel[_launch_blocks(g.numel())](g, t.contiguous(), f, g.numel(), POS=pos, NEG=neg, BLOCK=BLOCK)
+        out.append(g)
+    return out
+
+
+def zero_nonfinite_(x, flag):
+    """x (a contiguous tensor this backward owns, or None) with its non-finite entries zeroed in place
+    where flag (0-dim int32) is set; returned."""
+    if x is not None and x.numel():
+        _zero_nonfinite_kernel[_launch_blocks(x.numel())](x, flag, x.numel(), BLOCK=BLOCK)
+    return x
+
+
+def finite_kept(x, copies=None):
+    """What the forward kept for the backward, its non-finite entries zeroed (None stays None). The
+    staged forward's "args" begin with the raw inputs (module.INPUTS order), where an infinity may be
+    meant (a reset, a clamp): those are given instead as `copies` (device_copies', in that order)."""
+    if isinstance(x, dict) and "args" in x and copies is None:
+        return None  # the raw inputs cannot be told from the rest: the backward recomputes it all
+    if isinstance(x, dict) and "args" in x:
+        args = list(x["args"])
+        args[:len(copies)] = [c.contiguous() for c in copies]
+        args[len(copies):] = finite_kept(args[len(copies):])
+        return dict(finite_kept({k: v for k, v in x.items() if k != "args"}), args=args)
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if x.is_floating_point() else x
+    if isinstance(x, dict):
+        return {k: finite_kept(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(finite_kept(v) for v in x)
+    return x

@@ -113,6 +113,8 @@ def scan(m: ir.Mixer, b: Batch):
     if right is not None:
         f_nd = to_torch(right.decay.value)
         f_na, f_nc = (to_torch(right.delta.a), to_torch(right.delta.c)) if right.delta else (None, None)
+    f_steps = [(to_torch(st.delta.a) if st.delta else None, to_torch(st.delta.c) if st.delta else None,
+                to_torch(st.write.key), to_torch(st.write.value)) for st in m.steps]
     head = torch.arange(b.HV, device=dev, dtype=dtype).view(1, b.HV, 1)
     outs, finals, aux_finals = [], [], []
     for n, (bi, bos, eos) in enumerate(b.sequences()):
@@ -160,6 +162,11 @@ def scan(m: ir.Mixer, b: Batch):
                 S = _right_transition(right, S, dn.unsqueeze(-2) if dn.dim() else dn, f_na, f_nc, env)
             key, val = f_key(env), f_val(env)
             S = S + torch.as_tensor(key).unsqueeze(-1) * torch.as_tensor(val).unsqueeze(-2)
+            for fa, fc, fk, fv in f_steps:  # a product's later steps: (I - a c^T) S + key value^T each
+                if fa is not None:
+                    S = S - torch.as_tensor(fa(env)).unsqueeze(-1) * (torch.as_tensor(fc(env)).unsqueeze(-1)
+                                                                      * S).sum(-2, keepdim=True)
+                S = S + torch.as_tensor(fk(env)).unsqueeze(-1) * torch.as_tensor(fv(env)).unsqueeze(-2)
             qv = torch.as_tensor(f_q(env)) * b.scale
             if gram is not None:  # offline solve: G shares S's decay and write key, k on its other side
                 gram = d * gram + torch.as_tensor(key).unsqueeze(-1) * env["k"].unsqueeze(-2)

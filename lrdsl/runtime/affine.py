@@ -1,0 +1,137 @@
+"""The chunk pass as an affine map of its incoming state, shared by context parallelism (cp.py,
+the pieces on different ranks) and the segmented pass on one device (segments.py, the pieces in
+one call).
+
+Over any run of tokens S_out = L S_in + R (L [n, HV, K, K], R [n, HV, K, V] per sequence), and each
+auxiliary state (ATK's P) is an elementwise first-order scan, P_out = l * P_in + r, whose
+coefficients do not depend on S. The maps come from chunk calls over the pieces:
+ - `aux_maps`: one call from two auxiliary starts a unit apart (one value channel will do);
+ - `wide_run`: where `widens`, one call with K more value columns (v = 0 there, their incoming state
+   the identity) gives the final state [R | L] and, beside o, each token's readout C_t of the
+   incoming state, so that o and the final state are finished by `finish` once S_in is known;
+ - `fallback_maps`: otherwise one batched call from 1 + ceil(K/V) starts, and the pieces run again
+   from their true incoming states.
+`prefix` composes maps in order; a piece whose sequence starts in it (its own initial state already
+in R) cuts the composition there, so pieces of many sequences compose in one scan. Every step is a differentiable torch operation.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=64)
+def widens(m) -> bool:
+    """Whether a piece's map can ride in one run beside its values: K more value columns with
+    v = 0 and the identity as their incoming state carry the transition's product (L) in their final
+    state and each token's readout of the incoming state in o, because every value column evolves
+    on its own under the same K x K transitions. That needs the write's value to vanish with v (it
+    does in every example) and v = 0 inside v's range; no auxiliary state per value channel, and no
+    other value-channel input normalised or declared unit (its pad, a copy of channel 0, would
+    change its norm). Otherwise the maps take one batched run and the piece a second one."""
+    import sympy as sp
+
+    from lrdsl.frontend.ir import symbol
+    v = m.input("v")
+    if m.bonus:  # a dot-product term of the readout is not linear in the incoming state
+        return False
+    if (v.lo > 0 or v.hi < 0 or (v.lo == 0 and v.lo_open) or (v.hi == 0 and v.hi_open)
+            or any(a.kind == "V" for a in m.aux)
+            or any(i.kind == "V" and i.name != "v" and (i.l2norm or i.unit) for i in m.inputs)):
+        return False
+    return sp.simplify(m.inline_lets(m.write.value).xreplace({symbol("v"): 0})) == 0
+
+
+def widen(m, x: dict, K: int) -> dict:
+    """x with K more value channels: zeros in v, a copy of channel 0 (detached: in range, and the
+    write there is zero whatever it holds) in every other value-channel input and param."""
+    kinds = m.kinds()
+    out = dict(x)
+    for n, t in x.items():
+        if kinds[n] == "V":
+            pad = t[..., :1].detach().expand(*t.shape[:-1], K)
+            out[n] = torch.cat([t, torch.zeros_like(pad) if n == "v" else pad], -1)
+    return out
+
+
+def narrow(m, x: dict) -> dict:
+    """x with value channel 0 alone (for the auxiliary maps: auxiliary states per key channel never
+    read a value channel)."""
+    kinds = m.kinds()
+    return {n: (t[..., :1] if kinds[n] == "V" else t) for n, t in x.items()}
+
+
+def copies(x: dict, c: int, per_token: set) -> dict:
+    """c copies of the batch x side by side along the batch (params once)."""
+    return {n: (torch.cat([t] * c) if n in per_token else t) for n, t in x.items()}
+
+
+def aux_maps(m, run, x2: dict, lo: list, hi: list) -> tuple:
+    """(l, r) of every auxiliary state over x's sequences, from one call over x2 (two copies of x,
+    made by the caller) starting from lo and from hi = lo + 1 (where hi = lo, l = 0 there).
+    run(x, S, aux) -> (o, final S, final aux list)."""
+    n = lo[0].shape[0]
+    x2 = x2 if any(a.kind == "V" for a in m.aux) else narrow(m, x2)
+    v = x2["v"]
+    S = torch.zeros(2 * n, v.shape[2], x2["k"].shape[-1], v.shape[-1], device=v.device, dtype=torch.float32)
+    _, _, f = run(x2, S, [torch.cat([a, b]) for a, b in zip(lo, hi)])
+    return [a[n:] - a[:n] for a in f], [a[:n] for a in f]
+
+
+def wide_run(m, run, x: dict, A, E, aux_in: list) -> tuple:
+    """One call over x with K more value columns from [A | E]: (o with K more channels, R, L, final
+    aux). E is the identity where the map is wanted (zero where the piece starts its sequence)."""
+    V = A.shape[-1]
+    o, F, aux = run(widen(m, x, E.shape[-1]), torch.cat([A, E], -1), aux_in)
+    return o, F[..., :V], F[..., V:], aux
+
+
+def finish(o_w, V: int, S):
+    """o from the wide run's [o | C] and the incoming states S [n, HV, K, V]: o + C S, in o's dtype.
+    In bf16 or fp16 the product takes S in that dtype too (fp32 sums), as the kernels' own readout
+    of the state does: fp32 copies of C and o cost more than the whole state pass they shorten."""
+    C = o_w[..., V:]
+    if o_w.dtype in (torch.bfloat16, torch.float16):
+        return o_w[..., :V] + torch.einsum("bthk,bhkv->bthv", C, S.to(o_w.dtype))
+    return (o_w[..., :V].float() + torch.einsum("bthk,bhkv->bthv", C.float(), S)).to(o_w.dtype)
+
+
+def fallback_maps(run, many, A, aux_in: list, through=None) -> tuple:
+    """(R, L) of x's sequences from one batched call from A and from A plus each block of up to V
+    identity columns (1 + ceil(K/V) starts); many(c) is x's c copies side by side; `through` ([n] of
+    0/1, None for all ones) zeroes the identity, hence L, where a piece starts its sequence."""
+    n, _, K, V = A.shape
+    starts, cols = [A], []
+    for b0 in range(0, K, V):
+        w = min(V, K - b0)
+        E = torch.zeros_like(A)
+        E[..., b0 + torch.arange(w, device=A.device), torch.arange(w, device=A.device)] = 1.0
+        starts.append(A + (E if through is None else E * through[:, None, None, None]))
+        cols.append(w)
+    c = len(starts)
+    _, F, _ = run(many(c), torch.cat(starts), [torch.cat([a] * c) for a in aux_in])
+    R = F[:n]
+    L = torch.cat([(F[(j + 1) * n:(j + 2) * n] - R)[..., :w] for j, w in enumerate(cols)], -1)
+    return R, L
+
+
+def prefix(L, R, mul=torch.matmul, starts=None):
+    """Inclusive prefix compositions of the maps along dim 0 (log-depth, Hillis-Steele): R[j] becomes
+    the state after piece j from the state before the first piece of its run, i.e.
+    R_j + L_j (R_{j-1} + L_{j-1} (...)). starts ([n] bool, None for none): pieces that begin a run
+    (their sequence starts in them), where the composition stops whatever came before (a select, not
+    a product with L = 0: a nan or inf of one sequence stays out of the next). mul: matmul for S,
+    elementwise for auxiliary states."""
+    n = L.shape[0]
+    f = torch.zeros(n, dtype=torch.bool, device=L.device) if starts is None else starts
+    shape = (-1,) + (1,) * (R.dim() - 1)
+    d = 1
+    while d < n:
+        stop = f[d:].view(shape)
+        R = torch.cat([R[:d], torch.where(stop, R[d:], mul(L[d:], R[:-d]) + R[d:])])
+        if 2 * d < n:  # the last round's products of L are never read
+            L = torch.cat([L[:d], torch.where(stop, L[d:], mul(L[d:], L[:-d]))])
+        f = torch.cat([f[:d], f[d:] | f[:-d]])
+        d *= 2
+    return R

@@ -1,0 +1,157 @@
+"""Run a product of n steps per token (codegen/product.py) on its sub-mixer's kernels: every
+per-token quantity of step j becomes sub-token n t + j of a sequence n times longer, the decay
+sits on the first sub-token of each token (log-decay 0 on the others), the query on the last
+(zero on the others), and o is read at the last. All of it differentiable torch operations around
+the sub-mixer's calls, so chunk's backward is the sub-mixer's, through the gather.
+
+What needs sympy (the expressions of each step, the inputs' declared ranges) is turned into plain
+functions and numbers once per mixer (`Plan`): a call under torch.compile traces torch alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lrdsl.codegen import product as cp
+from lrdsl.frontend import ir
+from lrdsl.runtime.reference import l2norm, to_torch
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sub-mixer's inputs as functions of the spec's: per input (name, kind, shared, l2norm,
+    lo, hi) with the clamp's finite bounds (None where open-ended or normalised); per param (name,
+    kind, lo, hi); the lets in order; (a, c, u, z) of each step; the query; the log-decay and its
+    kind ("K", "scalar", or None without decay); whether the sub-mixer reads a write key of its own."""
+    inputs: tuple
+    params: tuple
+    lets: tuple
+    steps: tuple
+    query: object
+    log_decay: object
+    decay_kind: str | None
+    separate: bool
+
+
+def _bound(x, on: bool):
+    return float(x) if on and x.is_finite else None
+
+
+def plan_of(m: ir.Mixer, sub: ir.Mixer) -> Plan:
+    ins = tuple((i.name, i.kind, i.shared, i.l2norm, _bound(i.lo, i.clamped), _bound(i.hi, i.clamped))
+                for i in m.inputs)
+    params = tuple((p.name, p.kind, _bound(p.lo, True), _bound(p.hi, True)) for p in m.params)
+    kind = None if m.decay.kind == "identity" else "K" if m.decay.kind == "diagonal" else "scalar"
+    return Plan(ins, params, tuple((lt.name, to_torch(lt.expr)) for lt in m.lets),
+                tuple(tuple(to_torch(e) for e in s) for s in cp.steps_of(m)), to_torch(m.query),
+                None if kind is None else to_torch(m.log_decay()), kind,
+                any(i.name == cp.U for i in sub.inputs))
+
+
+def _clamp(x, lo, hi):
+    """x clamped into [lo, hi] as every path clamps (nan stays nan)."""
+    if lo is not None:
+        x = torch.where(x < lo, torch.full_like(x, lo), x)
+    if hi is not None:
+        x = torch.where(x > hi, torch.full_like(x, hi), x)
+    return x
+
+
+def environment(plan: Plan, tensors: dict, H: int, HV: int, dtype) -> dict:
+    """Every input (clamped, repeated over value heads, normalised), param, let and h, in dtype:
+    [B, T, HV, K|V|1], as the reference prepares them."""
+    q = tensors["q"]
+    B, T = q.shape[:2]
+    env = {}
+    for name, kind, shared, norm, lo, hi in plan.inputs:
+        x = _clamp(tensors[name].to(dtype), lo, hi)
+        if shared and HV > H:
+            x = x.repeat_interleave(HV // H, dim=2)
+        if norm:
+            x = l2norm(x)
+        env[name] = x.unsqueeze(-1) if kind == "scalar" else x
+    for name, kind, lo, hi in plan.params:
+        x = _clamp(tensors[name].to(dtype), lo, hi)
+        env[name] = x.reshape(1, 1, HV, -1).expand(B, T, HV, 1 if kind == "scalar" else x.shape[-1])
+    env["h"] = torch.arange(HV, device=q.device, dtype=dtype).view(1, 1, HV, 1)
+    for name, f in plan.lets:
+        env[name] = f(env)
+    return env
+
+
+def interleave(xs: list) -> torch.Tensor:
+    """[B, T, ...] tensors x_0 .. x_{n-1} -> [B, n T, ...]: x_j at sub-token n t + j."""
+    B, T = xs[0].shape[:2]
+    return torch.stack(xs, 2).reshape(B, len(xs) * T, *xs[0].shape[2:])
+
+
+def sub_inputs(plan: Plan, tensors: dict, H: int, HV: int) -> dict:
+    """The sub-mixer's inputs [B, n T, HV, ...]: the per-step vectors in the compute dtype, cast to
+    q's dtype; the log-decay in float32 (float64 for float64 inputs)."""
+    q = tensors["q"]
+    low = torch.float64 if q.dtype == torch.float64 else torch.float32
+    env = environment(plan, tensors, H, HV, low)
+    B, T = q.shape[:2]
+    shape = {"K": (B, T, HV, q.shape[-1]), "V": (B, T, HV, tensors["v"].shape[-1]), "scalar": (B, T, HV, 1)}
+
+    def ev(f, kind):
+        return torch.as_tensor(f(env), dtype=low, device=q.device).expand(shape[kind])
+
+    n = len(plan.steps)
+    out = {cp.Q: interleave([torch.zeros(shape["K"], dtype=low, device=q.device)] * (n - 1) + [ev(plan.query, "K")]),
+           cp.C: interleave([ev(c, "K") for _, c, _, _ in plan.steps]),
+           cp.Z: interleave([ev(z, "V") for _, _, _, z in plan.steps]),
+           cp.A: interleave([ev(a, "K") for a, _, _, _ in plan.steps])}
+    if plan.separate:
+        out[cp.U] = interleave([ev(u, "K") for _, _, u, _ in plan.steps])
+    out = {name: x.to(q.dtype) for name, x in out.items()}
+    if plan.decay_kind is not None:
+        g = ev(plan.log_decay, plan.decay_kind)
+        g = interleave([g] + [torch.zeros_like(g)] * (n - 1))
+        out[cp.G] = g if plan.decay_kind == "K" else g[..., 0]
+    return out
+
+
+def last(o: torch.Tensor, n: int) -> torch.Tensor:
+    """The sub-mixer's o [B, n T, HV, V] at the last sub-token of each token."""
+    return o[:, n - 1::n]
+
+
+def run(mixer, method: str, batch, cp_group=None, offsets=None):
+    """chunk or recurrent of a product mixer through its sub-mixer."""
+    sub, n = mixer.product, mixer.ir.n_steps
+    x = sub_inputs(mixer.product_plan, batch.tensors, batch.H, batch.HV)
+    q, k, v = x.pop(cp.Q), x.pop(cp.C), x.pop(cp.Z)
+    opts = dict(scale=batch.scale, initial_state=batch.initial_state, output_final_state=batch.output_final_state,
+                cu_seqlens=None if batch.cu_seqlens is None else batch.cu_seqlens * n)
+    if cp_group is not None:
+        opts["cp_group"] = cp_group
+    if offsets is not None:
+        opts["cu_seqlens_cpu"] = [n * int(c) for c in offsets]
+    o, final = getattr(sub, method)(q, k, v, **opts, **x)
+    return last(o, n).contiguous(), final
+
+
+def step(mixer, batch, state, out=None, return_states=False, states_out=None):
+    """Decode: the sub-mixer's step over n sub-tokens per token, the state updated in place (Mixer.step's
+    out, return_states and states_out: the states after each token are the sub-mixer's after its last
+    sub-token)."""
+    x = sub_inputs(mixer.product_plan, batch.tensors, batch.H, batch.HV)
+    q, k, v = x.pop(cp.Q), x.pop(cp.C), x.pop(cp.Z)
+    n = mixer.ir.n_steps
+    every = None
+    if return_states or states_out is not None:
+        buf = mixer._states_buffer(batch, states_out, v.device)  # checked before the state moves
+        o, sub_every = mixer.product.step(q, k, v, state, batch.scale, return_states=True, **x)
+        parts = ({"S": sub_every.S, **sub_every.aux} if hasattr(sub_every, "aux") else {"S": sub_every})
+        dest = ({"S": buf.S, **buf.aux} if hasattr(buf, "aux") else {"S": buf})
+        for name, t in dest.items():
+            t.copy_(last(parts[name], n))
+        every = buf
+    else:
+        o = mixer.product.step(q, k, v, state, batch.scale, **x)
+    o = last(o, n)
+    o = out.copy_(o) if out is not None else o.contiguous()
+    return (o, every) if return_states else o
+
+

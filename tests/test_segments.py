@@ -1,0 +1,164 @@
+"""Segmented chunk passes on one device (mixer.chunk(..., segments=n), lrdsl/runtime/segments.py) on
+CPU, kernels in Triton's interpreter.
+
+The sequences are cut into segments of 64-token multiples that run as one chunk call; their maps of
+the incoming state are composed and the outputs finished in torch. Each case runs the segmented call,
+the one-pass call (segments=1) and the float64 reference on the same inputs (test_cp's: weak decays,
+so that a segment's map does not vanish, and a whole initial state, auxiliary states included), and
+compares o, every part of the final state and the gradients of
+loss = (o * do).sum() + sum over the parts of the final state of (part * weight).sum()
+with respect to every input, param and part of the initial state: rms ratio < 1e-4 for o, the state
+and dq, dk, dv, dh0, < 1e-3 for the other inputs (test_backward's tolerances). It also counts the
+chunk calls the segmented pass makes (one wide call; the auxiliary maps' call; the fallback's two),
+so a call that silently kept one pass fails.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_cp import ROOT, SPECS, TOL_GATE, inputs, whole
+
+from lrdsl.errors import InputError
+from lrdsl.runtime import segments as seg
+from lrdsl.runtime.affine import widens
+from lrdsl.testing import TOL, Case, rms_ratio
+
+# (case, segments asked for): the segment length is the longest sequence / segments, up to 64s
+CASES = {
+    # a sequence shorter than a segment, one of three segments (the last short), an empty one, one of two
+    "packed": (Case(B=1, T=300, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 40, 200, 200, 300),
+                    initial_state=True, seed=21), 4),
+    # T a multiple of the segment length: the segments are a batch [B * 3, 64]
+    "batched": (Case(B=2, T=192, H=1, HV=2, K=16, V=16, initial_state=True, seed=22), 3),
+    # T not a multiple: packed segments 64, 64, 22 per sequence; two value heads per key head; K > V
+    # (the fallback's identity columns in two blocks)
+    "batched-ragged": (Case(B=2, T=150, H=1, HV=2, K=32, V=16, initial_state=True, seed=23), 3),
+}
+FAMILIES = ("gated_deltanet", "kda", "gla", "deltanet", "gdn2_atk", "precond_kda", "rwkv7", "rwkv6",
+            "cp_fallback_test_only")
+DEFAULT = ("gated_deltanet", "packed")
+
+
+def validated(mixer, x, cu):
+    """The Batch a chunk call over x makes."""
+    t = dict(x)
+    return mixer._validate(t.pop("q"), t.pop("k"), t.pop("v"), t, None, None, False, cu)
+
+
+def check(name, case_name, compiled, monkeypatch):
+    case, n = CASES[case_name]
+    mixer = compiled(SPECS[name])
+    x, h0, cu = inputs(mixer, case)
+    one = whole(functools.partial(mixer.chunk, segments=1), mixer, case, x, h0, cu, torch.float32)
+    ref = whole(mixer.reference, mixer, case, x, h0, cu, torch.float64)
+    calls, plain = [], mixer.chunk
+
+    def counted(*a, **kw):  # the calls the segmented pass makes: [batch, T, value columns]
+        if kw.get("segments") == 1:
+            calls.append([*kw["v"].shape[:2], kw["v"].shape[-1]])
+        return plain(*a, **kw)
+    monkeypatch.setattr(mixer, "chunk", counted)
+    cut = seg.plan(mixer, validated(mixer, x, cu), n, None)
+    got = whole(functools.partial(mixer.chunk, segments=n), mixer, case, x, h0, cu, torch.float32)
+    check_calls(mixer, case, cut, calls)
+    errors = {}
+    for what, (o_b, fin_b, g_b) in (("one pass", one), ("reference", ref)):
+        errors[what, "o"] = rms_ratio(got[0], o_b)
+        errors.update({(what, p): rms_ratio(t, fin_b[p]) for p, t in got[1].items()})
+        errors.update({(what, "d" + p): rms_ratio(t, g_b[p]) for p, t in got[2].items()})
+    tol = {k: (TOL if k[1] == "o" or k[1] in got[1] or k[1] in ("dq", "dk", "dv") or k[1].startswith("dh0")
+               else TOL_GATE) for k in errors}
+    bad = {k: f"{e:.3g}" for k, e in errors.items() if not e < tol[k]}
+    assert not bad, f"{name} {case_name}: {bad}"
+
+
+def check_calls(mixer, case, cut, calls):
+    """The segmented forward's chunk calls: the auxiliary maps' call (two copies of the segments,
+    one value channel), then one wide call (V + K value columns), or the fallback's batched starts
+    (1 + ceil(K/V) copies) and the rerun."""
+    assert cut is not None and len(cut.bounds) > case.N, f"no segments cut: {cut}"
+    n, tokens = len(cut.bounds), case.B * case.T
+
+    def rows(c):  # [batch, T] of c copies of the segments
+        return [c * n, cut.uniform] if cut.uniform else [1, c * tokens]
+    want = []
+    if mixer.ir.aux:
+        want.append(rows(2) + [1])
+    if widens(mixer.ir):
+        want.append(rows(1) + [case.V + case.K])
+    else:
+        want += [rows(1 + -(-case.K // case.V)) + [case.V], rows(1) + [case.V]]
+    assert calls == want, f"chunk calls {calls}, expected {want}"
+
+
+PARAMS = [pytest.param(f, c, marks=() if (f, c) == DEFAULT else pytest.mark.slow)
+          for f in FAMILIES for c in CASES]
+
+
+@pytest.mark.parametrize("name,case_name", PARAMS)
+def test_segments_match_one_pass_and_reference(name, case_name, compiled, monkeypatch):
+    check(name, case_name, compiled, monkeypatch)
+
+
+def test_cut_of_packed_sequences():
+    c = seg.cut([0, 40, 200, 200, 300], 64)
+    assert c.bounds == ((0, 40), (40, 104), (104, 168), (168, 200), (200, 200), (200, 264), (264, 300))
+    assert c.through == (False, False, True, True, False, False, True)
+    assert c.lasts == (0, 3, 4, 6)
+    assert c.uniform == 0
+    assert seg.cut([0, 128, 256], 64).uniform == 64
+
+
+def test_count_segments_only_an_idle_gpu():
+    # B x HV x value tiles against 132 SMs (an H100): what the H100 measured best (segments.count)
+    assert seg.count(1, 4, 2, 65536, 132) == 8
+    assert seg.count(1, 2, 2, 65536, 132) == 16
+    assert seg.count(1, 8, 2, 65536, 132) == 1  # H=8 over two key heads: one pass was faster
+    assert seg.count(4, 16, 2, 4096, 132) == 1  # the standard shapes keep one pass
+    assert seg.count(1, 32, 2, 16384, 132) == 1
+    assert seg.count(1, 4, 2, 3000, 132) == 2  # no segment shorter than MIN_LENGTH
+    assert seg.count(1, 4, 2, 1500, 132) == 1
+    assert seg.count(1, 4, 2, 65536, 0) == 1
+
+
+def test_segments_asked_for_and_refused(compiled, monkeypatch):
+    mixer = compiled(SPECS["gated_deltanet"])
+    case = Case(B=1, T=130, H=1, HV=1, K=16, V=16)
+    x, h0, cu = inputs(mixer, case)
+    batch = validated(mixer, x, None)
+    assert seg.plan(mixer, batch, None, None) is None  # the CPU: one pass unless asked
+    assert seg.plan(mixer, batch, 1, None) is None
+    assert len(seg.plan(mixer, batch, 2, None).bounds) == 2
+    assert seg.plan(mixer, batch, 3, None).bounds == ((0, 64), (64, 128), (128, 130))
+    monkeypatch.setenv("LRDSL_SEGMENTS", "2")
+    assert len(seg.plan(mixer, batch, None, None).bounds) == 2
+    assert seg.plan(mixer, batch, 1, None) is None  # the argument first
+    for bad, where in (("two", "LRDSL_SEGMENTS"), ("0", "LRDSL_SEGMENTS")):
+        monkeypatch.setenv("LRDSL_SEGMENTS", bad)
+        with pytest.raises(InputError, match=f"^{where} must be a positive integer"):
+            mixer.chunk(**x)
+    monkeypatch.delenv("LRDSL_SEGMENTS")
+    for bad in (0, 2.5, True):
+        with pytest.raises(InputError, match="^segments must be a positive integer"):
+            mixer.chunk(**x, segments=bad)
+    mesa = compiled(ROOT / "examples" / "mesa.lr")  # the offline solve keeps one pass
+    xm, _, _ = inputs(mesa, case)
+    assert seg.plan(mesa, validated(mesa, xm, None), 2, None) is None
+
+
+def test_a_nan_stays_in_its_sequence(compiled):
+    """A nan in one packed sequence leaves the others as one pass gives them (the scan selects where
+    a sequence starts, it does not multiply by a zero map)."""
+    mixer = compiled(SPECS["gated_deltanet"])
+    case, n = CASES["packed"]
+    x, h0, cu = inputs(mixer, case)
+    x["v"][0, 50, 0, 3] = float("nan")  # in the second sequence's first segment
+    o1, s1 = mixer.chunk(**x, initial_state=h0, cu_seqlens=cu, output_final_state=True, segments=1)
+    o2, s2 = mixer.chunk(**x, initial_state=h0, cu_seqlens=cu, output_final_state=True, segments=n)
+    for a, b in ((0, 40), (200, 300)):  # the first and the last sequence
+        assert o2[:, a:b].isfinite().all() and rms_ratio(o2[:, a:b], o1[:, a:b]) < TOL
+    for i in (0, 2, 3):
+        assert s2[i].isfinite().all() and rms_ratio(s2[i], s1[i]) < TOL
+    assert o2[:, 40:200].isnan().any() == o1[:, 40:200].isnan().any()
