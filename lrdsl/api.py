@@ -56,6 +56,9 @@ class Mixer:
         import importlib.util
         if importlib.util.find_spec("triton") is None:
             return
+        if self.ir.side != "left":  # the value side's module: its token loop (and chunked forward)
+            self.kernels  # noqa: B018
+            return
         if self.ir.steps:  # a product of steps runs on its sub-mixer's kernels, its inputs made by the plan
             self.product_plan  # noqa: B018 (made here: sympy must not run under torch.compile's tracing)
             self.product._load_kernels()
@@ -151,6 +154,9 @@ class Mixer:
     @property
     def chunk_op(self):
         """The chunked kernels as one torch.library op (forward, backward, fake implementation)."""
+        if self.ir.side != "left":
+            raise InputError(f"mixer '{self.name}' has a value-side transition (S N or M S N), whose chunk "
+                             "is not a kernel op yet (runtime/valueside.py): call mixer.chunk")
         if self.ir.steps:
             return self.product.chunk_op
         if self._op is None:
@@ -373,6 +379,9 @@ class Mixer:
                                   output_final_state, cu_seqlens, cp_group, cu_seqlens_cpu, segments,
                                   **{n: _fp32_if_bf16(t) for n, t in inputs.items()})
             return o.to(v.dtype), final
+        if cp_group is not None and self.ir.side != "left":
+            raise InputError(f"mixer '{self.name}' has a value-side transition (S N or M S N), which context "
+                             "parallelism does not support yet: call chunk without cp_group")
         if self.ir.steps:
             from lrdsl.runtime import product
             # with cp_group the slice is this rank's, cu_seqlens and initial_state the global ones:
@@ -389,6 +398,13 @@ class Mixer:
                             cp_group)
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                offsets=cu_seqlens_cpu)
+        # value sides before segments (whose maps of the state are the key side's)
+        if self.ir.side == "right":  # the chunked forward kernel; backward INTERIM (valueside.py)
+            from lrdsl.runtime import valueside
+            return valueside.chunk(self.ir, self.kernels, batch)
+        if self.ir.side == "both":  # INTERIM: M S N's chunk is the reference's float32 token loop
+            from lrdsl.runtime.valueside import two_sided_chunk
+            return two_sided_chunk(self.ir, batch)
         if type(segments) is not int or segments != 1:  # 1 (not True): one pass without a look
             from lrdsl.runtime import segments as seg
             cut = seg.plan(self, batch, segments, cu_seqlens_cpu)

@@ -182,6 +182,11 @@ TWINS["iplr"] = ("generalized_delta_rule.chunk_iplr_delta_rule", lambda x: {
 TWINS["comba"] = ("comba.chunk_comba", lambda x: dict(
     q=x["q"], k=x["k"], v=x["v"], p=x["p"], g=x["g"], beta=x["beta"], scale=_scale(x),
     use_qk_l2norm_in_kernel=True))
+# The gated Oja rule, the value side: S diag(exp(gv)) (I - beta v v^T) + beta k v^T is FLA's
+# recurrence (the state decayed per value channel, then k - S v, times beta, written along v); FLA
+# does not normalise v, so it gets the spec's unit v in the call
+TWINS["oja"] = ("gated_oja_rule.chunk_gated_oja_rule", lambda x: dict(
+    q=x["q"], k=x["k"], v=_l2norm(x["v"]), gv=x["gv"], beta=x["beta"], scale=_scale(x)))
 
 
 def _steps(x: dict, names: tuple):
@@ -207,6 +212,8 @@ def twin(mixer):
     """(FLA op name, a function of the inputs giving its output) or None."""
     if mixer.name in TWINS:
         name, args = TWINS[mixer.name]
+    elif mixer.ir.side == "right":  # a value-side spec other than oja: no FLA op of its shape
+        return None
     else:  # same canonical shape; fresh gates where the spec has none of FLA's names
         m, s = mixer.ir, {"identity": "none", "constant": "scalar", "scalar": "scalar", "diagonal": "channel"}
         key = ("delta" if m.delta else "plain", s[m.decay.kind])

@@ -313,6 +313,16 @@ def kernels_text(m) -> str:
     decode = "recurrent  token by token, one launch (templates/{}recurrent.py.jinja): the decode path\n"
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
+    if m.side == "both":
+        return ("chunk      INTERIM: the float32 token loop of the reference, differentiable (runtime/reference.py);\n"
+                "           no chunked form yet for a two-sided transition (M S N)\n"
+                "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
+                "           the decode path\n")
+    if m.side == "right":
+        return ("chunk      the value side's chunked forward (templates/chunk_value.py.jinja); backward INTERIM:\n"
+                "           autograd through PyTorch's chunked form, recomputed (lrdsl/runtime/valueside.py)\n"
+                "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
+                "           the decode path\n")
     decode = decode.format("")
     from lrdsl.codegen.plan import plan
     from lrdsl.codegen.split import split_ir
@@ -349,7 +359,8 @@ def cmd_check(args) -> int:
         print(json.dumps(facts, indent=2, sort_keys=True))
     else:
         from lrdsl.frontend.printer import product
-        print(f"mixer {m.name}: M_t = {product(m.ir)}")
+        lhs = {"right": "N_t", "both": "M_t S N_t"}.get(m.ir.side, "M_t")
+        print(f"mixer {m.name}: {lhs} = {product(m.ir)}")
         print(explain(facts), end="")
     if args.plot:  # drawn for a refused spec too: that picture says why
         checkplot.draw(m, args.plot)

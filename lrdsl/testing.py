@@ -135,7 +135,8 @@ def rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
 def implementations(mixer) -> tuple:
     """The kernels to test: recurrent, plus chunk when the Mixer and the generated module have it."""
     impls = ["recurrent"]
-    if hasattr(mixer, "chunk") and hasattr(mixer.kernels, "chunk"):
+    value_side = getattr(getattr(mixer, "ir", None), "side", "left") == "right"  # chunk in PyTorch
+    if hasattr(mixer, "chunk") and (value_side or hasattr(mixer.kernels, "chunk")):
         impls.append("chunk")
     return tuple(impls)
 

@@ -176,6 +176,8 @@ EXAMPLES = {
     "gated_deltanet_gates": Model("exp_scalar", "scalar", gain_fn="sigmoid"),
     "gated_deltanet_negeig": Model("exp_scalar", "scalar", b_range=(0, 2, True, True)),
     "kda": Model("exp_diag", "scalar"), "kda_decay_after_erase": Model("exp_diag", "scalar", order="right"),
+    # the value side: N = diag(exp(gv)) (I - beta v v^T) is kda_decay_after_erase's matrix over V channels
+    "oja": Model("exp_diag", "scalar", order="right"),
     "gdn2": Model("exp_diag", "channel", b_range=(0, 1, False, False)),
     "channel_gates_scalar_decay": Model("exp_scalar", "channel", b_range=(0, 1, False, False)),
     "gdn2_atk": Model("exp_diag", "channel", b_range=(0, 1, False, False), atk=(1.5, -0.2, 1)),

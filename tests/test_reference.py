@@ -176,6 +176,13 @@ def step_comba(S, P, z):
     return M @ S + b * torch.outer(k, z["v"]), P
 
 
+def step_oja(S, P, z):
+    """The gated Oja rule: the transition multiplies S from the right, N = diag(exp(gv)) (I - beta v v^T)."""
+    v = l2(z["v"])
+    N = torch.diag(torch.exp(z["gv"])) @ (torch.eye(len(v), dtype=v.dtype) - z["beta"] * torch.outer(v, v))
+    return S @ N + z["beta"] * torch.outer(z["k"], v), P
+
+
 def step_delta_product(S, P, z):
     """DeltaProduct: the decay, then (I - b_j k_j k_j^T) S + b_j k_j v_j^T for each step j."""
     S = torch.exp(z["g"]) * S
@@ -223,6 +230,7 @@ MODELS = {  # example -> (l2norm q and k, inputs besides q k v, step, has an aux
     "dplr": (False, {"gk": ("HV", "K", "log"), "a": ("HV", "K", "normal"), "b": ("HV", "K", "normal"),
                      "beta": ("HV", None, "unit")}, step_dplr, False),
     "iplr": (False, {"kk": ("HV", "K", "normal"), "a": ("HV", "K", "unit")}, step_iplr, False),
+    "oja": (False, {"gv": ("HV", "V", "log"), "beta": ("HV", None, "gate")}, step_oja, False),
     "comba": (True, {"p": ("HV", "K", "normal"), "g": ("HV", None, "log"), "beta": ("HV", None, "gate")},
               step_comba, False),
     "delta_product2": (True, _product_inputs(2, "gate"), step_delta_product, False),

@@ -129,7 +129,7 @@ case("rank2_transition", spec(*L), (3, 1), "2 independent rank-1 terms")
 L = [*HEAD, "S = (k^T q) S + k v^T", "o = S^T q"]
 case("dot_product", spec(*L), at(L, 3, "(k^T q)"), "dot product")
 L = ["mixer m", "input q[K], k[K], v[V], g[V] log", "S = diag(exp(g)) S + k v^T", "o = S^T q"]
-case("value_decay_diag", spec(*L), at(L, 3, "diag"), "diag", "[V] vector")
+case("value_decay_diag", spec(*L), at(L, 3, "diag"), "[V, V] matrix", "from the left", "S diag(exp(gv))")
 L = ["mixer m", "input q[K], k[K], v[V], g[V] log", "S = exp(g) S + k v^T", "o = S^T q"]
 case("value_decay_scalar", spec(*L), at(L, 3, "exp"), "[V] vector times S")
 L = [*HEAD, "state P[K] = P * P + k * k", "S = S + k v^T", "o = S^T q"]

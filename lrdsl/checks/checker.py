@@ -64,7 +64,8 @@ def analyse(mixer: ir.Mixer) -> dict:
     per_channel_d = mixer.decay.kind == "diagonal"
     out = {"D": D, "d": d, "W": None, "w": None, "factor": None, "symmetric": False, "sym_eig": None, "notes": []}
     notes = out["notes"]
-    dname = "per key channel" if per_channel_d else "one number per head"
+    chan = "value" if mixer.side == "right" else "key"
+    dname = f"per {chan} channel" if per_channel_d else "one number per head"
     if mixer.delta is None:
         notes.append(f"M = D with D = {d} ({dname}); no erase term.")
         notes.append(f"M is diagonal: its eigenvalues are the values of D, in {_iv(D)}.")
@@ -88,7 +89,7 @@ def analyse(mixer: ir.Mixer) -> dict:
             F = (min(1.0, 1 - W[1]), max(1.0, 1 - W[0]))
             out.update(w=w, W=W, factor=F)
             notes.append(f"{u.name} has unit norm and c*a = ({w}) {u.name}^2, so c^T a is a convex combination "
-                         f"of values in {_iv(W)}: I - a c^T has eigenvalues 1 (K-1 times) and 1 - c^T a, "
+                         f"of values in {_iv(W)}: I - a c^T has eigenvalues 1 ({'V' if mixer.side == 'right' else 'K'}-1 times) and 1 - c^T a, "
                          f"all in {_iv(F)}.")
             break
     else:
@@ -274,10 +275,16 @@ def _psd(factor: ir.Mixer, result: dict) -> bool:
 
 
 def check(mixer: ir.Mixer) -> dict:
+    if mixer.side == "both":
+        return _check_two_sided(mixer)
     if mixer.steps:
         return _check_product(mixer)
     an = analyse(mixer)
     notes, eig, enclosed = list(an["notes"]), an["eig"], an["proved"]
+    if mixer.side == "right":  # the facts of N are those of M: ||S N|| <= ||S|| ||N|| bounds the state alike
+        notes.insert(0, "The transition acts on the value side, S_t = S_{t-1} N_t + write, N_t [V, V]; the facts "
+                        "below are N_t's, written M (S_t^T = N_t^T S_{t-1}^T + ... has the same eigenvalues "
+                        "and norms).")
     num = witness.numeric(mixer)
     facts, wits = {}, {}
 
@@ -349,6 +356,35 @@ def check(mixer: ir.Mixer) -> dict:
         out["solve_well_posed"] = _solve_well_posed(mixer, notes)
         out["cg"] = cg_fact(mixer, notes)
     return out
+
+
+def _check_two_sided(mixer: ir.Mixer) -> dict:
+    """M S N: vec(S) moves by N^T (x) M, whose eigenvalues are the products of M's and N's and whose
+    norm is ||M|| ||N||. So each fact is proved where both factors have it; a witness of one factor
+    alone proves nothing of the product (the other may shrink it), so the rest stays unknown."""
+    m, n = check(mixer.left_part()), check(mixer.right_part())
+    both = lambda key: PROVED if m["facts"][key] == PROVED and n["facts"][key] == PROVED else UNKNOWN
+    facts = {key: both(key) for key in ("stable", "spectral_norm_le_1", "bounded_state")}
+    if m["eigenvalues"]["proved"] and n["eigenvalues"]["proved"]:
+        lo_hi = lambda r: (-INF if r["eigenvalues"]["min"] is None else r["eigenvalues"]["min"],
+                           INF if r["eigenvalues"]["max"] is None else r["eigenvalues"]["max"])
+        eig = _mul(lo_hi(m), lo_hi(n))
+    else:
+        eig = FULL
+    # a negative eigenvalue of the product needs one factor's negative eigenvalue times a positive one
+    nonneg = lambda r: r["eigenvalues"]["proved"] and r["eigenvalues"]["min"] is not None and r["eigenvalues"]["min"] >= 0
+    facts["negative_eigenvalues"] = DISPROVED if nonneg(m) and nonneg(n) else UNKNOWN
+    notes = ["S = M S N + write: vec(S) moves by N^T (x) M, whose eigenvalues are the products of M's and N's "
+             "and whose spectral norm is ||M|| ||N||; a fact is proved where M and N both have it."]
+    notes += [f"M: {x}" for x in m["notes"]] + [f"N: {x}" for x in n["notes"]]
+    return {
+        "eigenvalues": {"min": _json(eig[0]), "max": _json(eig[1]),
+                        "proved": bool(m["eigenvalues"]["proved"] and n["eigenvalues"]["proved"])},
+        "facts": facts, "witnesses": {}, "spectral_norm_le_1": facts["spectral_norm_le_1"],
+        "bounded_state": facts["bounded_state"], "counterexample": None,
+        "negative_eigenvalues": _as_bool(facts["negative_eigenvalues"]), "stable": _as_bool(facts["stable"]),
+        "contraction": _as_bool(facts["spectral_norm_le_1"]), "notes": notes,
+    }
 
 
 def _growing_cycle(num, step: dict | None):
@@ -447,6 +483,13 @@ def stability_error(mixer: ir.Mixer, result: dict) -> str | None:
         return bad_cg
     if result["facts"]["stable"] == PROVED or mixer.allow_unstable:
         return None
+    if mixer.side == "both":  # name the factor whose eigenvalues are not proved inside [-1, 1]
+        for name, part in (("M", mixer.left_part()), ("N", mixer.right_part())):
+            why = stability_error(part, check(part))
+            if why:
+                return f"in the two-sided M S N, {name}'s {why}"
+        return ("the eigenvalues of the two-sided M S N could not be proved inside [-1, 1]; or add "
+                "`allow unstable`")
     if mixer.steps:
         return _product_error(mixer, result)
     w = result["witnesses"].get("stable")

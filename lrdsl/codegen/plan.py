@@ -218,6 +218,15 @@ class Plan:
     # the inputs that are the log-decay itself (a reset, -inf, is floored there as everywhere): the
     # native forward of plan.rank2 takes -inf in them, where any other non-finite input takes the split
     rank2_resets: tuple = ()
+    # "right": the transition multiplies the state's rows from the right (S N, the value side): d_t,
+    # e_a and e_c are [V] vectors, and the module has the value-side kernels alone
+    side: str = "left"
+    # side "both" (M S N): N's decay kind, decay, order and erase directions (M's are the fields above)
+    n_decay_kind: str = ""
+    n_decay: str = ""
+    n_order: str = ""
+    n_erase_a: str = ""
+    n_erase_c: str = ""
     log_decay_floor: float = -20.0  # see _floored
     # a non-finite input reaches no earlier token in the chunked forward (common.jinja's
     # nonfinite_helpers); off: plain products, which spread its nan over its whole chunk
@@ -468,9 +477,20 @@ def plan(m: ir.Mixer) -> Plan:
         raw_query=raw_query,
         stored_lets=stored_lets,
         aux_lets=tuple(var(lt.name) for lt in aux_lets),
+        side=m.side,
+        **_n_fields(m),
         readout_before=before is not None,
         bonus_key=code(before.bonus_key) if before is not None and before.bonus_key is not None else "",
     )
+
+
+def _n_fields(m: ir.Mixer) -> dict:
+    """Plan fields of a two-sided mixer's N (none for the others)."""
+    if m.side != "both":
+        return {}
+    n = m.right_part()
+    return dict(n_decay_kind=n.decay.kind, n_decay=code(n.decay.value), n_order=n.delta.order if n.delta else "",
+                n_erase_a=code(n.delta.a) if n.delta else "", n_erase_c=code(n.delta.c) if n.delta else "")
 
 
 
@@ -478,7 +498,7 @@ def _rank2(m: ir.Mixer) -> bool:
     """plan.rank2: S_t = D_t (I - a_t c_t^T) S_{t-1} + u_t z_t^T with a = u, D one number or one per
     key channel per token, and nothing the staged forward leaves out (auxiliary states, the offline
     solve, an L2 norm over the value channels)."""
-    return (m.delta is not None and m.delta.order == "right" and simplified(m.delta.a - m.write.key) == 0
+    return (m.side == "left" and m.delta is not None and m.delta.order == "right" and simplified(m.delta.a - m.write.key) == 0
             and m.decay.kind in ("scalar", "diagonal") and not m.aux and m.solve_lam is None
             and not any(i.l2norm and i.kind == "V" for i in m.inputs))
 

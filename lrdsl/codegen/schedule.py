@@ -397,6 +397,10 @@ def _bwd_out(plan: Plan) -> str:
 
 def kernel_templates(plan: Plan) -> tuple:
     """Every template the module renders, in order, each once."""
+    if plan.side == "right":  # the value side's token loop and chunked forward (backward: runtime/valueside.py)
+        return ("recurrent_value.py.jinja", "chunk_value.py.jinja")
+    if plan.side == "both":  # M S N: its token loop (chunk: runtime/reference.py's, for now)
+        return ("recurrent_value.py.jinja",)
     out = list(_general(plan))
     if plan.staged:
         out += _staged_forward(plan) + _staged_backward(plan)

@@ -34,6 +34,8 @@ def not_staged(m: ir.Mixer) -> str:
     The staged forward writes the erase as a correction of the value: with a = u (the erase
     direction is the write key, as in every delta-rule model), (I - a c^T) D S + a z^T
     = D S + a (z - c^T D S)^T, so one pairwise matrix and one solve give the corrected values."""
+    if m.side != "left":
+        return "a value-side transition (S N or M S N) takes kernels of its own"
     if m.delta is not None and m.delta.order == "right":
         return "a decay after the erase takes the general kernels"
     if m.delta is not None and simplified(m.delta.a - m.write.key) != 0:
@@ -46,7 +48,7 @@ def not_staged(m: ir.Mixer) -> str:
 def split_ir(m: ir.Mixer) -> ir.Mixer | None:
     """The split mixer of m, or None where m has the staged kernels already or the split has none
     either (auxiliary states would advance twice; the offline solve has kernels of its own)."""
-    if m.delta is None or m.aux or m.solve_lam is not None or not not_staged(m):
+    if m.delta is None or m.aux or m.solve_lam is not None or m.side != "left" or not not_staged(m):
         return None
     phase = ir.Input(_free_name(m, "phase"), "scalar", shared=True, l2norm=False, unit=False, log=False,
                      lo=sp.Integer(0), hi=sp.Integer(1), lo_open=False, hi_open=False)

@@ -9,6 +9,7 @@ scalar algebra on those symbols, and their kinds ("scalar", "K", "V") say how th
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -177,6 +178,23 @@ class Mixer:
     # + scale * sum of (x^T y) z over bonus, S_prev being the state before this token's update
     query_prev: sp.Expr = sp.Integer(0)
     bonus: tuple = ()  # Bonus, ...
+    # "left": S = M S + write, M over key channels; "right": S = S N + write, the value side (the
+    # gated Oja rule): N = (I - a c^T) D, D (I - a c^T) or D - a c^T over value channels, so the
+    # decay, a and c are [V] (or per-head) quantities
+    side: str = "left"
+    # side "both": S = M S N + write, M in decay and delta (over key channels), N in these (over value
+    # channels)
+    n_decay: Decay | None = None
+    n_delta: Delta | None = None
+
+    def left_part(self) -> "Mixer":
+        """M S + write alone (a two-sided mixer's M): what the checker states M's facts of."""
+        return dataclasses.replace(self, side="left", n_decay=None, n_delta=None)
+
+    def right_part(self) -> "Mixer":
+        """S N + write alone (a two-sided mixer's N, in decay and delta)."""
+        return dataclasses.replace(self, side="right", decay=self.n_decay, delta=self.n_delta,
+                                   n_decay=None, n_delta=None)
     # the steps after the first (decay, delta, write) of each token's update, in order: the token's
     # transition is the product of n = 1 + len(steps) rank-1 factors, each followed by its write
     steps: tuple = ()  # Step, ...
@@ -205,6 +223,8 @@ class Mixer:
         out += [(e, a.span) for a in self.aux for e in (a.decay, a.write)]
         body = [self.decay.value, self.write.key, self.write.value]
         body += [self.delta.a, self.delta.c] if self.delta is not None else []
+        body += [self.n_decay.value] if self.n_decay is not None else []
+        body += [self.n_delta.a, self.n_delta.c] if self.n_delta is not None else []
         for st in self.steps:
             body += [st.write.key, st.write.value] + ([st.delta.a, st.delta.c] if st.delta is not None else [])
         readout = [self.query, self.query_prev, *(e for b in self.bonus for e in (b.summand, b.value))]

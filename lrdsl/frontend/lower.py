@@ -119,7 +119,7 @@ class Lowerer:
 
     def e_Var(self, n: Var):
         if n.name == "I":
-            return Mat((("diag", sp.Integer(1)),))
+            return Mat((("diag", sp.Integer(1)),), "")
         if n.name == "S":
             return St((("diag", sp.Integer(1)),), ())
         if n.name == "S_prev":
@@ -142,7 +142,7 @@ class Lowerer:
         if isinstance(x, Row):
             return Val(x.kind, x.expr)
         if isinstance(x, Mat):
-            return Mat(tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in x.terms))
+            return Mat(tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in x.terms), x.dim)
         if isinstance(x, St) and x.carried == (("diag", 1),) and not x.writes and not x.inner:
             return StT()
         if isinstance(x, StPrev) and not x.transposed:
@@ -165,9 +165,9 @@ class Lowerer:
         xs = [self.expr(a) for a in n.args]
         if f == "diag":
             x = xs[0]
-            if not (isinstance(x, Val) and x.kind in ("K", "scalar")):
-                raise SpecError(f"diag(...) takes a [K] vector (or a number), not {_desc(x)}", n.span)
-            return Mat((("diag", x.expr),))
+            if not isinstance(x, Val):
+                raise SpecError(f"diag(...) takes a [K] or [V] vector (or a number), not {_desc(x)}", n.span)
+            return Mat((("diag", x.expr),), {"scalar": ""}.get(x.kind, x.kind))
         for x in xs:
             if not isinstance(x, Val):
                 raise SpecError(f"{f}(...) applies elementwise to numbers and vectors, not to {_desc(x)}", n.span)
@@ -211,13 +211,14 @@ class Lowerer:
         if isinstance(a, Dot) and isinstance(b, Dot) and a.kind == b.kind:
             return Dot(a.kind, a.expr + sign * b.expr)
         if isinstance(a, Mat) and isinstance(b, Mat):
-            return Mat(a.terms + self.scale(b, sign, n.span).terms)
+            return Mat(a.terms + self.scale(b, sign, n.span).terms, _dims(a, b, n.span))
         if isinstance(a, St) and isinstance(b, St):
             b = self.scale(b, sign, n.span)
             if a.inner and b.inner or (a.inner and b.carried) or (b.inner and a.carried):
                 raise SpecError("in a product of steps, S enters once, innermost: write the steps nested, "
                                 "(I - a2 c2^T) ((I - a1 c1^T) D S + u1 z1^T) + u2 z2^T", n.span)
-            return St(a.carried + b.carried, a.writes + b.writes, a.inner or b.inner)
+            return St(a.carried + b.carried, a.writes + b.writes, a.inner or b.inner, side=_sides(a, b, n.span),
+                      right=a.right or b.right)
         hint = "; write I for the identity matrix" if {type(a), type(b)} == {Val, Mat} else ""
         raise SpecError(f"cannot {'add' if sign == 1 else 'subtract'} {_desc(b)} "
                         f"{'to' if sign == 1 else 'from'} {_desc(a)}{hint}", n.span)
@@ -264,9 +265,10 @@ class Lowerer:
             return Row(x.kind, s * x.expr)
         if isinstance(x, Mat):
             return Mat(tuple(("diag", s * t[1]) if t[0] == "diag" else ("outer", s * t[1], t[2])
-                             for t in x.terms))
+                             for t in x.terms), x.dim)
         if isinstance(x, St):
-            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes), x.inner)
+            return St(self.scale(Mat(x.carried), s, span).terms, tuple((s * u, z) for u, z in x.writes), x.inner,
+                      side=x.side, right=x.right)
         if isinstance(x, Out):
             return Out(s * x.query, x.lam, s * x.prev, tuple((k, e, s * z) for k, e, z in x.bonus))
         if isinstance(x, Dot):
@@ -293,13 +295,14 @@ class Lowerer:
         if isinstance(b, Val) and b.kind == "scalar" and not isinstance(a, StT):
             return self.scale(a, b.expr, span)
         if isinstance(a, Val) and isinstance(b, Row):
-            if a.kind == "K" and b.kind == "K":
-                return Mat((("outer", a.expr, b.expr),))
+            if a.kind == b.kind and a.kind in ("K", "V"):
+                return Mat((("outer", a.expr, b.expr),), a.kind)
             if a.kind == "K" and b.kind == "V":
                 return St((), ((a.expr, b.expr),))
             raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)} gives a [{a.kind}, {b.kind}] "
-                            "matrix; the state is [K, V], so outer products are k k^T ([K, K], in the "
-                            "transition) or k v^T ([K, V], the write)", span)
+                            "matrix; the state is [K, V], so outer products are k k^T ([K, K], in a "
+                            "transition from the left), v v^T ([V, V], from the right) or k v^T ([K, V], "
+                            "the write)", span)
         if isinstance(a, Row) and isinstance(b, Val) and b.kind != "scalar":
             if a.kind != b.kind:
                 raise SpecError(f"x^T y takes two vectors of one length, not a [{a.kind}] and a [{b.kind}] "
@@ -319,16 +322,31 @@ class Lowerer:
             raise SpecError(f"two column vectors side by side ({_desc(a)}, {_desc(b)}); "
                             "did you mean an outer product like k v^T?", span)
         if isinstance(a, Mat) and isinstance(b, Mat):
-            return Mat(tuple(self.term_product(s, t, span) for s in a.terms for t in b.terms))
+            return Mat(tuple(self.term_product(s, t, span) for s in a.terms for t in b.terms), _dims(a, b, span))
+        if isinstance(a, St) and isinstance(b, Mat):
+            return self.right_product(a, b, span)
         if isinstance(a, Mat) and isinstance(b, St):
+            if a.dim == "V":
+                raise SpecError("shape mismatch: a [V, V] matrix cannot multiply S ([K, V]) from the left; "
+                                "value-side factors stand on the right, S N (e.g. S diag(exp(gv)))", span)
+            if a.dim == "K" and b.side == "right":  # M (S N): two-sided
+                if b.writes:
+                    raise SpecError("the write is added after the transition: write M S N + k v^T", span)
+                return St(a.terms, (), side="both", right=b.carried)
+            if b.side == "both" and not b.writes:  # M' (M S N)
+                return St(tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried), (), side="both",
+                          right=b.right)
             if any(s[0] == "outer" for s in a.terms) and (b.writes or b.inner):
+                if b.side in ("right", "both"):
+                    raise SpecError("a product of steps per token with a value-side transition (S N) is not "
+                                    "supported yet; write one step per token", span)
                 # a factor with an erase after a write: one more step of a product (DeltaProduct),
                 # the steps so far its input
                 return St(a.terms, (), b.inner + (b,))
             carried = tuple(self.term_product(s, t, span) for s in a.terms for t in b.carried)
             writes = tuple((s[1] * u, z) for s in a.terms for u, z in b.writes)
-            return St(carried, writes, b.inner)
-        if isinstance(a, Mat) and isinstance(b, Val) and b.kind == "K":
+            return St(carried, writes, b.inner, side="left" if a.dim == "K" else b.side)
+        if isinstance(a, Mat) and isinstance(b, Val) and b.kind == "K" and a.dim != "V":
             if any(t[0] == "outer" for t in a.terms):
                 raise SpecError("a rank-1 matrix times a vector is a dot product; not supported here", span)
             return Val("K", sum((t[1] for t in a.terms), sp.Integer(0)) * b.expr)
@@ -345,13 +363,29 @@ class Lowerer:
                                 "not a [V] vector", span)
             return Out(b.expr)
         if isinstance(a, St) or isinstance(b, Mat) and isinstance(a, (St, Val)):
-            raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)}; in the update S stands at the "
-                            "right end of each product (M S), and K x K factors multiply it from the left",
-                            span)
+            raise SpecError(f"shape mismatch: {_desc(a)} times {_desc(b)}; in the update [K, K] factors "
+                            "multiply S from the left (M S) and [V, V] factors from the right (S N), "
+                            "e.g. S diag(exp(gv)) with gv a [V] vector", span)
         if isinstance(b, St):
             raise SpecError(f"shape mismatch: {_desc(a)} times S; a factor multiplying S from the left "
                             "must be a [K, K] matrix (I, diag(g), k k^T, ...) or a number", span)
         raise SpecError(f"shape mismatch: cannot multiply {_desc(a)} by {_desc(b)}", span)
+
+    def right_product(self, a: St, b: Mat, span) -> St:
+        """(carried) S N: the transition multiplies S's rows from the right (the value side)."""
+        if b.dim == "K":
+            raise SpecError("shape mismatch: S is [K, V], so a factor on its right is a [V, V] matrix "
+                            "(diag(gv), v v^T with [V] vectors), not a [K, K] one", span)
+        if a.writes or a.inner:
+            raise SpecError("the write is added after the transition: write S N + k v^T, not (S + k v^T) N",
+                            span)
+        if a.side == "left" and b.dim == "V":  # (M S) N: two-sided
+            return St(a.carried, (), side="both", right=b.terms)
+        if a.side == "both":  # (M S N) N'
+            return St(a.carried, (), side="both",
+                      right=tuple(self.term_product(t, s, span) for t in a.right for s in b.terms))
+        carried = tuple(self.term_product(t, s, span) for t in a.carried for s in b.terms)
+        return St(carried, (), side="right" if b.dim == "V" else a.side)
 
     @staticmethod
     def term_product(s, t, span):
@@ -374,6 +408,24 @@ class Lowerer:
         self.kinds[name] = kind
         self.symbols[name] = ir.symbol(name)
         self.defined_at[name] = span
+
+
+def _dims(a: Mat, b: Mat, span) -> str:
+    """The dimension of a sum or product of two matrices: "" (a multiple of I) takes the other's."""
+    if a.dim and b.dim and a.dim != b.dim:
+        raise SpecError("cannot combine a [K, K] and a [V, V] matrix: [K, K] factors multiply S from the "
+                        "left, [V, V] ones from the right", span)
+    return a.dim or b.dim
+
+
+def _sides(a: St, b: St, span) -> str:
+    if "both" in (a.side, b.side) and a.carried and b.carried:
+        raise SpecError("a sum of transitions with a two-sided one (M S N + ...) is not one product; lrdsl "
+                        "compiles M S N + k v^T with M and N each diagonal plus rank 1", span)
+    if a.side and b.side and a.side != b.side:
+        raise SpecError("the update adds a transition from the left (M S) to one from the right (S N); "
+                        "lrdsl compiles one of the two forms, M S + k v^T or S N + k v^T", span)
+    return a.side or b.side
 
 
 def lower(spec: Spec) -> ir.Mixer:
@@ -437,7 +489,7 @@ def lower(spec: Spec) -> ir.Mixer:
         raise SpecError("the spec has no update of the state; add a line like `S = S + k v^T`", spec.span)
     if readout is None:
         raise SpecError("the spec has no readout; add the line `o = S^T q`", spec.span)
-    decay, delta, write, steps = transition(lw, update)
+    decay, delta, write, steps, side, n = transition(lw, update)
     out = lw.expr(readout.expr)
     if not isinstance(out, Out):
         raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
@@ -463,10 +515,23 @@ def lower(spec: Spec) -> ir.Mixer:
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
                  readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow,
-                 query_prev=out.prev, bonus=bonus, steps=steps)
+                 query_prev=out.prev, bonus=bonus, steps=steps, side=side, n_decay=n[0] if n else None,
+                 n_delta=n[1] if n else None)
     _check_product(m, update.span)
+    if side != "left":
+        _check_value_side(m, update.span, readout.span)
     check_constants(m, update.span)
     return m
+
+
+def _check_value_side(m: ir.Mixer, span, readout_span) -> None:
+    """What a value-side transition (S N) does not combine with yet: each refused where it is written."""
+    if m.aux:
+        raise SpecError("auxiliary states with a value-side transition (S N) are not supported yet; "
+                        "compute the per-token quantities from inputs and lets", m.aux[0].span)
+    if m.solve_lam is not None or m.reads_before:
+        raise SpecError("a value-side transition (S N) reads out as o = S^T x alone: S_prev^T, dot-product "
+                        "terms and the offline solve are not supported with it yet", readout_span)
 
 
 def _check_product(m: ir.Mixer, span) -> None:

@@ -122,7 +122,10 @@ def param_decl(p: ir.Param) -> str:
 
 
 def transition(m: ir.Mixer) -> str:
-    """The transition M_t as spec text (without the trailing S)."""
+    """The transition M_t as spec text (without the trailing S); a two-sided one's "M S N" in full."""
+    if m.side == "both":
+        M, N = transition(m.left_part()), transition(m.right_part())
+        return " ".join(t for t in (M if M != "I" else "", "S", N if N != "I" else "") if t)
     d = m.decay
     if d.kind == "diagonal":
         dtext = f"diag({expr(d.value)})"
@@ -171,7 +174,8 @@ def explicit(m: ir.Mixer) -> str:
 def update(m: ir.Mixer) -> str:
     """The right-hand side of the update line: S = <this>; a product of steps nested, innermost first."""
     t = transition(m)
-    out = f"{'S' if t == 'I' else t + ' S'} + {_vec(m.write.key)} {_vec(m.write.value)}^T"
+    carried = "S" if t == "I" else t if m.side == "both" else f"S {t}" if m.side == "right" else f"{t} S"
+    out = f"{carried} + {_vec(m.write.key)} {_vec(m.write.value)}^T"
     for st in m.steps:
         erase = "" if st.delta is None else f"(I - {_vec(st.delta.a)} {_vec(st.delta.c)}^T) "
         out = f"{erase}({out}) + {_vec(st.write.key)} {_vec(st.write.value)}^T"
@@ -200,13 +204,23 @@ def _dot(b: ir.Bonus) -> str:
 
 def canonical(m: ir.Mixer) -> str:
     """The canonical form in words: decay class, erase factor, write, readout."""
+    if m.side == "both":  # M's lines, then N's
+        M, N = (canonical(p).splitlines() for p in (m.left_part(), m.right_part()))
+        out = [line for line in M if line.startswith(("decay", "erase"))]
+        out += [line for line in N if line.startswith(("decay", "erase"))]
+        out.append("side    both      S = M S N + write (M [K, K] from the left, N [V, V] from the right)")
+        out += [line for line in M if not line.startswith(("decay", "erase"))]
+        return "\n".join(out) + "\n"
     d = m.decay
     out = [f"decay   {d.kind:9s} D = {expr(d.value) if d.kind != 'identity' else 'I'}"]
     if m.delta is None:
-        out.append("erase   none      M = D")
+        out.append("erase   none      N = D" if m.side == "right" else "erase   none      M = D")
     else:
         form = {"left": "(I - a c^T) D", "right": "D (I - a c^T)", "sum": "D - a c^T"}[m.delta.order]
-        out.append(f"erase   rank-1    M = {form},  a = {expr(m.delta.a)},  c = {expr(m.delta.c)}")
+        M = "N" if m.side == "right" else "M"
+        out.append(f"erase   rank-1    {M} = {form},  a = {expr(m.delta.a)},  c = {expr(m.delta.c)}")
+    if m.side == "right":
+        out.append("side    value     S = S N + write (N [V, V] multiplies the state's rows from the right)")
     out.append(f"write   rank-1    {_vec(m.write.key)} {_vec(m.write.value)}^T")
     for i, st in enumerate(m.steps, 2):
         erase = "none" if st.delta is None else f"(I - a c^T),  a = {expr(st.delta.a)},  c = {expr(st.delta.c)}"

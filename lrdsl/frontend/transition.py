@@ -1,4 +1,4 @@
-"""The update S = M S + u z^T, lowered: the transition's decay and rank-1 erase in canonical form
+"""The update S = M S + u z^T (or S = S N + u z^T, the value side), lowered: the transition's decay and rank-1 erase in canonical form
 (I - a c^T) D, D (I - a c^T) or D - a c^T, and the write. Terms are expanded by the lowering's
 values (values.py); this module reads them back as one diagonal, at most one rank-1 erase and one
 rank-1 write, or refuses with the form it found."""
@@ -15,15 +15,25 @@ from lrdsl.frontend.values import describe as _desc
 
 
 def transition(lw, update: Update):
-    """(decay, delta, write, steps): the first step of the token's update and the steps after it
-    (ir.Step, none for a single step)."""
+    """(decay, delta, write, steps, side, n): the first step of the token's update (M's, or on the
+    value side N's, canonical decay and erase, and the write), the steps after it (ir.Step, none for
+    a single step), the side ("left", "right" or "both") and, for a two-sided M S N, N's (decay, delta)."""
     val = lw.expr(update.expr)
     if not isinstance(val, St):
         raise SpecError(f"the update must be a [K, V] expression in S, like M S + k v^T; this is "
                         f"{_desc(val)}", update.span)
     span = update.span
+    if val.side in ("right", "both"):
+        if val.inner:
+            raise SpecError("a product of steps per token with a value-side transition (S N) is not "
+                            "supported yet; write one step per token", span)
+        if not val.carried:
+            raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
+        decay, delta = _canonical(lw, val.carried, span, "right" if val.side == "right" else "left")
+        n = _canonical(lw, val.right, span, "right") if val.side == "both" else None
+        return decay, delta, _write(lw, val, span), (), val.side, n
     if not val.inner:
-        return (*_step(lw, val, span), ())
+        return (*_step(lw, val, span), (), "left", None)
     first, *rest = val.inner + (St(val.carried, val.writes),)
     decay, delta, write = _step(lw, first, span, "the first step")
     steps = []
@@ -34,7 +44,7 @@ def transition(lw, update: Update):
                             "on the first step: move it inside, next to S, as in "
                             "(I - a2 c2^T) ((I - a1 c1^T) exp(g) S + u1 z1^T) + u2 z2^T", span)
         steps.append(ir.Step(dl, w))
-    return decay, delta, write, tuple(steps)
+    return decay, delta, write, tuple(steps), "left", None
 
 
 def _step(lw, val: St, span, which: str = ""):
@@ -44,9 +54,25 @@ def _step(lw, val: St, span, which: str = ""):
                         span)
     if not val.carried:
         raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
+    return (*_canonical(lw, val.carried, span, "left"), _write(lw, val, span))
+
+
+def _write(lw, val: St, span) -> ir.Write:
+    writes = _combine(list(val.writes), lw, span, "write")
+    if not writes:
+        raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
+    (key, value), = writes
+    vsyms = [lw.symbols[n] for n, k in lw.kinds.items() if k == "V"]
+    coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
+    return ir.Write(sp.factor_terms(key * coeff), vpart)
+
+
+def _canonical(lw, carried, span, side: str):
+    """One side's transition as (Decay, Delta or None): M over key channels (side "left") or N over
+    value channels (side "right")."""
     diag = sp.Integer(0)
     outers = []
-    for t in val.carried:
+    for t in carried:
         if t[0] == "diag":
             diag += t[1]
         else:
@@ -56,16 +82,19 @@ def _step(lw, val: St, span, which: str = ""):
     if d == 0:
         raise SpecError("the transition has no diagonal part (no I, diag(...) or scalar times S); the "
                         "accepted forms are (I - a c^T) D S and D (I - a c^T) S", span)
+    chan, other = ("V", "K") if side == "right" else ("K", "V")  # the channels N (or M) runs over
     for sym in d.free_symbols:
-        if lw.kinds.get(str(sym)) == "V":
-            raise SpecError("the decay multiplies S from the left, so it varies over key channels (K), "
-                            f"not value channels; '{sym}' is a [V] value", span)
+        if lw.kinds.get(str(sym)) == other:
+            where = ("from the right, so it varies over value channels (V)" if side == "right" else
+                     "from the left, so it varies over key channels (K)")
+            raise SpecError(f"the decay multiplies S {where}, not over {'key' if other == 'K' else 'value'} "
+                            f"channels; '{sym}' is a [{other}] value", span)
     kinds = {str(s): lw.kinds.get(str(s)) for s in d.free_symbols}
     if d == 1:
         decay = ir.Decay("identity", d)
     elif not d.free_symbols - {ir.HEAD}:
         decay = ir.Decay("constant", d)
-    elif "K" in kinds.values():
+    elif chan in kinds.values():
         decay = ir.Decay("diagonal", d)
     else:
         decay = ir.Decay("scalar", d)
@@ -87,27 +116,21 @@ def _step(lw, val: St, span, which: str = ""):
         # which overflows where the decay underflows (g = -120: nan in every path) although M is
         # finite; where both orders would, M is kept as written, D - a c^T (order "sum", the
         # additive DPLR form of RWKV-7), which the kernels compute with in-chunk decays only
-        inverse = lambda dl: any(_divides_by_decay(x, d, lw.kinds) for x in (dl.a, dl.c))
+        inverse = lambda dl: any(_divides_by_decay(x, d, lw.kinds, chan) for x in (dl.a, dl.c))
         score = lambda dl: (inverse(dl), sp.count_ops(dl.a) + sp.count_ops(dl.c))
         delta = left if score(left) <= score(right) else right
         if decay.kind != "diagonal":  # a scalar D commutes: one canonical order
             delta = ir.Delta(delta.a, delta.c, "left")
         if inverse(delta):
             delta = per_head_in_a(ir.Delta(-u, e, "sum"))
-    writes = _combine(list(val.writes), lw, span, "write")
-    if not writes:
-        raise SpecError("the update has no write term; add the rank-1 write, e.g. + k v^T", span)
-    (key, value), = writes
-    vsyms = [lw.symbols[n] for n, k in lw.kinds.items() if k == "V"]
-    coeff, vpart = sp.Mul(value).as_independent(*vsyms, as_Add=False)
-    return decay, delta, ir.Write(sp.factor_terms(key * coeff), vpart)
+    return decay, delta
 
 
-def _divides_by_decay(x, d, kinds: dict) -> bool:
+def _divides_by_decay(x, d, kinds: dict, chan: str = "K") -> bool:
     """x divides by the data-dependent part of the decay d: a symbol of d's is in its denominator
     (exp(-g) counts as 1/exp(g)), or x d is free of d's symbols where x is not (x holds 1/d, as
     exp(exp(A) softplus(dt)) does for d = exp(-exp(A) softplus(dt)))."""
-    data = {s for s in d.free_symbols if kinds.get(str(s)) in ("K", "scalar") and s != ir.HEAD}
+    data = {s for s in d.free_symbols if kinds.get(str(s)) in (chan, "scalar") and s != ir.HEAD}
     if not x.free_symbols & data:
         return False
     if sp.fraction(sp.together(x))[1].free_symbols & data:

@@ -21,8 +21,9 @@ class Row:  # a transposed vector
 
 
 @dataclass(frozen=True)
-class Mat:  # K x K: terms ("diag", d) | ("outer", u, c)
+class Mat:  # K x K (dim "K"), V x V (dim "V") or the identity's either (dim ""): ("diag", d) | ("outer", u, c)
     terms: tuple
+    dim: str = "K"
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class St:  # [K, V]: carried terms (Mat terms multiplying S) and writes ((u, z),
     # earlier steps of a product (DeltaProduct): St values, innermost first; where there are any,
     # carried multiplies the state after them, not S itself
     inner: tuple = ()
+    # which side the carried terms multiply S from: "left" (M S, [K, K] terms), "right" (S N, [V, V]
+    # terms), "both" (M S N: carried M's terms, right N's), "" while they are numbers times I (plain S)
+    side: str = ""
+    right: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def describe(x) -> str:
     if isinstance(x, Row):
         return f"a transposed [{x.kind}] vector"
     if isinstance(x, Mat):
-        return "a [K, K] matrix"
+        return "a [V, V] matrix" if x.dim == "V" else "a [K, K] matrix"
     if isinstance(x, St):
         return "a [K, V] state expression"
     if isinstance(x, StT):

@@ -83,6 +83,19 @@ def _clamped(i, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _right_transition(m: ir.Mixer, S, d, f_a, f_c, env):
+    """S N for a value-side transition: N's [V] decay and erase act on the state's rows."""
+    if m.delta is None:
+        return S * d
+    a, c = torch.as_tensor(f_a(env)).unsqueeze(-2), torch.as_tensor(f_c(env)).unsqueeze(-2)
+    if m.delta.order == "left":  # S (I - a c^T) D
+        return (S - (S * a).sum(-1, keepdim=True) * c) * d
+    if m.delta.order == "sum":  # S (D - a c^T)
+        return S * d - (S * a).sum(-1, keepdim=True) * c
+    S = S * d  # S D (I - a c^T)
+    return S - (S * a).sum(-1, keepdim=True) * c
+
+
 def scan(m: ir.Mixer, b: Batch):
     """o [B, T, HV, V] (in v's dtype) and the final state [N, HV, K, V] (fp32, fp64 for fp64 inputs)."""
     dtype = compute_dtype(b)
@@ -96,6 +109,10 @@ def scan(m: ir.Mixer, b: Batch):
     f_lam = to_torch(m.solve_lam) if m.solve_lam is not None else None
     f_a = to_torch(m.delta.a) if m.delta else None
     f_c = to_torch(m.delta.c) if m.delta else None
+    right = m.right_part() if m.side == "both" else None  # a two-sided M S N: N after M
+    if right is not None:
+        f_nd = to_torch(right.decay.value)
+        f_na, f_nc = (to_torch(right.delta.a), to_torch(right.delta.c)) if right.delta else (None, None)
     f_steps = [(to_torch(st.delta.a) if st.delta else None, to_torch(st.delta.c) if st.delta else None,
                 to_torch(st.write.key), to_torch(st.write.value)) for st in m.steps]
     head = torch.arange(b.HV, device=dev, dtype=dtype).view(1, b.HV, 1)
@@ -120,14 +137,16 @@ def scan(m: ir.Mixer, b: Batch):
             for name, f in f_let:
                 env[name] = f(env)
             d = torch.as_tensor(f_d(env), dtype=dtype, device=dev)
-            d = d.unsqueeze(-1) if d.dim() else d
+            d = d.unsqueeze(-2 if m.side == "right" else -1) if d.dim() else d
             before = 0.0  # what the readout takes from before the update: S_prev^T x + (x^T y) z
             if m.query_prev != 0:
                 before = (torch.as_tensor(f_qp(env)).unsqueeze(-1) * S).sum(-2) * b.scale
             for f_sum, f_z in f_bonus:
                 dot = torch.as_tensor(f_sum(env), dtype=dtype, device=dev).sum(-1, keepdim=True)
                 before = before + dot * torch.as_tensor(f_z(env)) * b.scale
-            if m.delta is None:
+            if m.side == "right":
+                S = _right_transition(m, S, d, f_a, f_c, env)
+            elif m.delta is None:
                 S = d * S
             else:
                 a, c = f_a(env), f_c(env)
@@ -138,6 +157,9 @@ def scan(m: ir.Mixer, b: Batch):
                     S = d * S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True)
                 else:
                     S = d * (S - a.unsqueeze(-1) * (c.unsqueeze(-1) * S).sum(-2, keepdim=True))
+            if right is not None:
+                dn = torch.as_tensor(f_nd(env), dtype=dtype, device=dev)
+                S = _right_transition(right, S, dn.unsqueeze(-2) if dn.dim() else dn, f_na, f_nc, env)
             key, val = f_key(env), f_val(env)
             S = S + torch.as_tensor(key).unsqueeze(-1) * torch.as_tensor(val).unsqueeze(-2)
             for fa, fc, fk, fv in f_steps:  # a product's later steps: (I - a c^T) S + key value^T each
