@@ -241,86 +241,8 @@ class Mixer:
         [B, T, HV, K, V], or a MixerState of such per-token tensors ([B, T, HV, K|V] for each auxiliary
         state); states_out: a buffer of that form to write them into. No host synchronisation and, with
         out and states_out, no new tensors (but a mixer with auxiliary states): capturable in a CUDA graph."""
-        import torch
-
-        from lrdsl.runtime.tensors import MixerState
-        if self.ir.solve_lam is not None:
-            if return_states or states_out is not None or out is not None:
-                raise InputError(f"mixer '{self.name}' reads its state through an offline solve, whose step "
-                                 "takes no out=, return_states= or states_out= yet: call step one token at a "
-                                 "time and keep copies of the state to roll back to")
-            from lrdsl.runtime import offline
-            return offline.step(self, q, k, v, state, scale, inputs)
-        if self.ir.reads_before:
-            return self._step_before(q, k, v, state, scale, inputs, out, return_states, states_out)
-        if self.ir.steps:
-            from lrdsl.runtime import product
-            batch = self._validate(q, k, v, inputs, scale, state, True, None)
-            return product.step(self, batch, state, _step_out(out, batch, v.dtype, v.device), return_states,
-                                states_out)
-        whole = state
-        if isinstance(state, MixerState):
-            state = state.S
-        elif self.ir.aux and isinstance(state, torch.Tensor):
-            names = ", ".join(a.name for a in self.ir.aux)
-            raise InputError(f"mixer '{self.name}' has auxiliary states ({names}) that decoding must carry: "
-                             "pass state=lrdsl.MixerState(S, {name: tensor}) (mixer.zero_state(...) to start, "
-                             "or the final state of chunk(..., output_final_state=True))")
-        if not isinstance(state, torch.Tensor):
-            raise InputError("step() updates a state in place: pass state=, a contiguous float32 tensor "
-                             f"[B, HV, K, V] (zeros to start), not {type(state).__name__}")
-        batch = self._validate(q, k, v, inputs, scale, whole, True, None)
-        if state.dtype != torch.float32 or not state.is_contiguous():
-            raise InputError("step() updates the state in place: it must be a contiguous float32 tensor "
-                             f"[B, HV, K, V], got {state.dtype}" + ("" if state.is_contiguous() else
-                                                                    ", not contiguous"))
-        aux = list(batch.initial_aux or ())
-        if any(a.dtype != torch.float32 or not a.is_contiguous() for a in aux):
-            raise InputError("step() updates the auxiliary states in place: each must be a contiguous "
-                             "float32 tensor")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in [*batch.tensors.values(), state, *aux]):
-            raise InputError("step() is the decode path and is forward-only; call it under torch.no_grad()")
-        out = _step_out(out, batch, v.dtype, v.device)
-        every = self._states_buffer(batch, states_out, v.device) if (return_states or states_out is not None) else None
-        S_all, aux_all = (every.S, [every.aux[a.name] for a in self.ir.aux]) if isinstance(every, MixerState) \
-            else (every, None)
-        tensors = {n: t.contiguous() for n, t in batch.tensors.items()}
-        if not aux:
-            o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state, out=out,
-                                              all_states=S_all)
-        elif aux_all is not None:  # the auxiliary states after the last token are in the per-token ones
-            o, _ = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state,
-                                              initial_aux=aux, out=out, all_states=S_all, all_aux=aux_all)
-            for a, every_a in zip(aux, aux_all):
-                a.copy_(every_a[:, -1])
-        else:
-            o, _, new = self.kernels.recurrent_fwd(tensors, batch.scale, state, True, None, final_state=state,
-                                                   initial_aux=aux, final_aux=True, out=out)
-            for a, n in zip(aux, new):  # the K-wide states are read by every value tile: written after
-                a.copy_(n)
-        return (o, every) if return_states else o
-
-    def _states_buffer(self, batch, given, device):
-        """The per-token states' buffer of a multi-token step: `given` (checked) or a new one."""
-        import torch
-
-        from lrdsl.runtime.tensors import MixerState
-        B, T, HV, K, V = batch.B, batch.T, batch.HV, batch.K, batch.V
-        shapes = {"S": (B, T, HV, K, V), **{a.name: (B, T, HV, a.width(K, V)) for a in self.ir.aux}}
-        if given is None:
-            made = {n: torch.empty(shp, dtype=torch.float32, device=device) for n, shp in shapes.items()}
-            return MixerState(made["S"], {a.name: made[a.name] for a in self.ir.aux}) if self.ir.aux else made["S"]
-        parts = ({"S": given.S, **given.aux} if isinstance(given, MixerState) and isinstance(given.aux, dict)
-                 else {"S": given})
-        want = "a MixerState of S [B, T, HV, K, V] and each auxiliary state [B, T, HV, K|V]" if self.ir.aux \
-            else "a tensor [B, T, HV, K, V]"
-        for n, shp in shapes.items():
-            t = parts.get(n)
-            if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shp and t.dtype == torch.float32
-                    and t.is_contiguous() and t.device == device) or set(parts) != set(shapes):
-                raise InputError(f"states_out must be {want} = {list(shapes['S'])}, contiguous float32 on "
-                                 f"{device}; got {_describe(given)} (leave it out to get a new one)")
-        return given
+        from lrdsl.runtime import decode
+        return decode.step(self, q, k, v, state, scale, out, return_states, states_out, **inputs)
 
     def accept(self, state, states, n) -> None:
         """Roll a multi-token step back: `state` (updated in place) becomes the state after the first
@@ -328,35 +250,8 @@ class Mixer:
         or a [B] integer tensor on the state's device (one count per sequence, read on the device: no
         host synchronisation), each from 1 to T (a verifier's first token, the last one accepted, is
         always kept)."""
-        import torch
-
-        from lrdsl.runtime.tensors import MixerState
-        S_all = states.S if isinstance(states, MixerState) else states
-        if not isinstance(S_all, torch.Tensor) or S_all.dim() != 5:
-            raise InputError("accept() takes the states that step(..., return_states=True) returned "
-                             f"([B, T, HV, K, V]), got {_describe(states)}")
-        B, T = S_all.shape[:2]
-        if isinstance(n, int) and not isinstance(n, bool):
-            if not 1 <= n <= T:
-                raise InputError(f"accept() keeps n tokens of the {T} of the step, from 1 to {T}; got n={n}")
-            index = None
-        elif isinstance(n, torch.Tensor) and not n.is_floating_point() and tuple(n.shape) == (B,):
-            index = (n.to(device=S_all.device, dtype=torch.int64) - 1).clamp(0, T - 1)
-        else:
-            raise InputError(f"accept() takes n as an int or a [B] = [{B}] integer tensor of counts, got "
-                             f"{_describe(n)}")
-        pairs = [(state.S if isinstance(state, MixerState) else state, S_all)]
-        if isinstance(states, MixerState):
-            if not isinstance(state, MixerState):
-                raise InputError("accept() got per-token auxiliary states but a plain state: pass the MixerState "
-                                 "that step() updated")
-            pairs += [(state.aux[name], states.aux[name]) for name in states.aux]
-        for dst, every in pairs:
-            if index is None:
-                dst.copy_(every[:, n - 1])
-            else:  # a gather on the device: row b takes token n_b - 1
-                at = index.view(B, 1, *[1] * (every.dim() - 2)).expand(B, 1, *every.shape[2:])
-                dst.copy_(every.gather(1, at).squeeze(1))
+        from lrdsl.runtime import decode
+        decode.accept(state, states, n)
 
     def chunk(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, cp_group=None, cu_seqlens_cpu=None, segments=None, **inputs):
@@ -415,17 +310,18 @@ class Mixer:
             return offline.chunk(self, batch)
         if self.ir.reads_before and not (self._fused and batch.K <= self.kernels.STAGED_MAX_K):
             return self._with_before("chunk", batch, initial_state, cu_seqlens_cpu)
-        if self._native_rank2(batch):
-            return self._chunk_rank2(batch)
+        from lrdsl.runtime import dispatch
+        if dispatch.native_rank2(self, batch):
+            return dispatch.chunk_rank2(self, batch)
         # the split's staged kernels, keeping their intermediates too with keep_intermediates (the split
         # mixer has this mixer's); wider keys take the original spec's general kernels
         if self.split is not None and batch.K <= self.split.kernels.STAGED_MAX_K:
-            return self._chunk_split(batch)
+            return dispatch.chunk_split(self, batch)
         tensors = [batch.tensors[n] for n in self.ir.tensor_names]
         from lrdsl.runtime.autograd import eager
         if batch.initial_aux is not None or self.keep_intermediates or eager(tensors):
-            return self._chunk_eager(batch, tensors)
-        return self._chunk_tensors(batch, tensors)
+            return dispatch.chunk_eager(self, batch, tensors)
+        return dispatch.chunk_tensors(self, batch, tensors)
 
     def _with_before(self, method: str, batch, initial_state, offsets=None):
         """chunk or recurrent of a readout with S_prev or dot-product terms: the parts' kernels, the
@@ -466,55 +362,6 @@ class Mixer:
             return torch.zeros(batch.N, batch.HV, batch.V, device=t["q"].device, dtype=compute_dtype(batch))
         return readouts.first_readout(self.ir, t, batch.H, batch.HV, batch.scale, S0, cu, compute_dtype(batch))
 
-    def _step_before(self, q, k, v, state, scale, inputs, out=None, return_states=False, states_out=None):
-        """step of a readout with S_prev or dot-product terms: S_prev^T y of the first token is read
-        from the state before any kernel updates it in place."""
-        import torch
-
-        from lrdsl.runtime import readouts
-        from lrdsl.runtime.tensors import MixerState, compute_dtype
-        core, prev, shifted = self._parts
-        part = core or prev
-        batch = self._validate(q, k, v, inputs, scale, state, True, None)
-        t = dict(batch.tensors)
-        T = q.shape[1]
-        o = every = None
-        # the per-token states come from the part that updates `state` itself (both move S alike)
-        keep = dict(return_states=True, states_out=states_out) if (return_states or states_out is not None) else {}
-        out = _step_out(out, batch, v.dtype, v.device)
-        if prev is not None:
-            S = state.S if isinstance(state, MixerState) else state
-            if not isinstance(S, torch.Tensor):
-                return part.step(q, k, v, state, scale, **inputs)  # its own clear error
-            first = self._first(batch, t, S, None)
-            if T == 1:
-                o = first[:, None]
-            else:
-                snap = state if core is None else (
-                    MixerState(state.S.clone(), {n: a.clone() for n, a in state.aux.items()})
-                    if isinstance(state, MixerState) else state.clone())
-                tp = dict(t, **{new: readouts.shift_next(t[old], None) for new, old in shifted.items()})
-                tp = {n: x for n, x in tp.items() if n not in ("q", "k", "v")}
-                o_p = prev.step(t["q"], t["k"], t["v"], snap, batch.scale, **tp, **({} if core else keep))
-                o_p, every = o_p if (keep and not core) else (o_p, None)
-                o = readouts.shift_back(o_p, first, None)
-        if core is not None:
-            rest = {n: x for n, x in t.items() if n not in ("q", "k", "v")}
-            o_c = core.step(t["q"], t["k"], t["v"], state, batch.scale, **rest, **keep)
-            o_c, every = o_c if keep else (o_c, None)
-            o = o_c if o is None else o.to(o_c.dtype) + o_c
-        elif T == 1:  # the state still moves on: the prev part's step (its output is not read)
-            tp = {n: x for n, x in t.items() if n not in ("q", "k", "v")}
-            tp.update({new: t[old] for new, old in shifted.items()})
-            moved = prev.step(t["q"], t["k"], t["v"], state, batch.scale, **tp, **keep)
-            every = moved[1] if keep else None
-        extra = readouts.before_terms(self.ir, t, batch.H, batch.HV, batch.scale, compute_dtype(batch))
-        o = (o.to(extra.dtype) + extra).to(v.dtype) if isinstance(extra, torch.Tensor) else o.to(v.dtype)
-        if out is not None:
-            out.copy_(o)
-            o = out
-        return (o, every) if return_states else o
-
     @property
     def product(self):
         """The one-step mixer whose n sub-tokens per token are this product's n steps
@@ -546,79 +393,6 @@ class Mixer:
                 self._split._split = False  # its erase is along its write key: staged kernels
         return self._split or None
 
-    def _native_rank2(self, batch) -> bool:
-        """The native staged forward of a decay after the erase (plan.rank2, staged_rank2.py.jinja)
-        serves this call: asked for (LRDSL_NATIVE_RANK2=1: on the H200 it holds half the split's
-        forward memory but takes 1.18x its time, measured 2026-12-03, e67cbe5), no gradient asked for (the
-        backward keeps the split), keys within the staged limit, every input and the initial state
-        finite but for resets (-inf in the log-decay, floored there as on every path). A non-finite
-        entry takes the split, whose kernels keep it causal; the check is one wait for the device,
-        so not under torch.compile or torch.func transforms (autograd.eager)."""
-        k = self.kernels
-        if os.environ.get("LRDSL_NATIVE_RANK2") != "1" or not hasattr(k, "rank2_fwd") or batch.K > k.STAGED_MAX_K:
-            return False
-        import torch
-
-        from lrdsl.runtime.autograd import eager
-        tensors = [*batch.tensors.values(), *([] if batch.initial_state is None else [batch.initial_state])]
-        if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not eager(tensors):
-            return False
-        resets = [batch.tensors[n] for n in k.RANK2_RESETS]
-        finite = [torch.isfinite(t).all() for t in tensors if not any(t is r for r in resets)]
-        finite += [(~t.isnan() & (t < float("inf"))).all() for t in resets]  # -inf: a reset, floored
-        return bool(torch.stack(finite).all())
-
-    def _chunk_rank2(self, batch):
-        from lrdsl.runtime.autograd import host_args
-        names = list(self.ir.tensor_names)
-        inputs, h0, cu = host_args(names, [batch.tensors[n] for n in names], batch.initial_state, batch.cu_seqlens)
-        return self.kernels.rank2_fwd(inputs, batch.scale, h0, bool(batch.output_final_state), cu)
-
-    def _chunk_split(self, batch):
-        from lrdsl.codegen.split import interleave, phases
-        params = {p.name for p in self.ir.params}
-        t = {n: x if n in params else interleave(x) for n, x in batch.tensors.items()}
-        q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
-        t[self.split.ir.inputs[-1].name] = phases(batch.B, batch.T, batch.H, q)
-        cu = None if batch.cu_seqlens is None else 2 * batch.cu_seqlens
-        o, final = self.split.chunk(q, k, v, batch.scale, batch.initial_state, batch.output_final_state, cu,
-                                    segments=1, **t)
-        return o[:, 1::2].contiguous(), final
-
-    def _final(self, batch, S, aux):
-        """What chunk returns as the final state: None, S, or the whole state."""
-        if not batch.output_final_state:
-            return None
-        return self._state_out(S, aux) if self.ir.aux else S
-
-    def _chunk_eager(self, batch, tensors):
-        """chunk through autograd.ChunkFunction: from auxiliary initial states, keeping the
-        forward's intermediates, or outside torch.compile (autograd.eager: less host time than the
-        custom op). Differentiable in every input, S0 and each auxiliary initial state."""
-        import torch
-
-        from lrdsl.runtime import autograd
-        aux0 = list(batch.initial_aux or ())
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                for t in (*tensors, batch.initial_state, *aux0))):
-            # nothing to differentiate: ChunkFunction.forward's kernels without the Function
-            r, _, _ = autograd.chunk_forward(self.kernels, batch, list(self.ir.tensor_names),
-                                             self.keep_intermediates, tensors, batch.initial_state, aux0)
-            return r.o, self._final(batch, r.final_state, r.final_aux)
-        o, ht, *finals = autograd.ChunkFunction.apply(
-            self.ir, self.kernels, batch, list(self.ir.tensor_names), self.keep_intermediates,
-            batch.initial_state, len(aux0), *tensors, *aux0)
-        return o, self._final(batch, ht, finals)
-
-    def _chunk_tensors(self, batch, tensors):
-        """The differentiable chunk as one custom op (torch.compile sees no graph break)."""
-        import torch
-        o, ht, _, aux = self.chunk_op(tensors, batch.initial_state, batch.scale, batch.cu_seqlens,
-                                      bool(batch.output_final_state))
-        widths = [a.width(batch.K, batch.V) for a in self.ir.aux]
-        finals = torch.split(aux, widths, dim=-1) if batch.output_final_state and widths else ()
-        return o, self._final(batch, ht, finals)
-
     def reference(self, q, k, v, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, **inputs):
         """o [B, T, HV, V] and the final state [N, HV, K, V] (None unless output_final_state)."""
@@ -627,25 +401,6 @@ class Mixer:
                                reference=True)
         return scan(self.ir, batch)
 
-
-def _step_out(out, batch, dtype, device):
-    """step's out= buffer, checked (None: the kernel makes one)."""
-    import torch
-    if out is None:
-        return None
-    want = (batch.B, batch.T, batch.HV, batch.V)
-    if not (isinstance(out, torch.Tensor) and tuple(out.shape) == want and out.dtype == dtype
-            and out.is_contiguous() and out.device == device):
-        raise InputError(f"out must be a contiguous {dtype} tensor [B, T, HV, V] = {list(want)} on {device} "
-                         f"(v's dtype and device), got {_describe(out)}")
-    return out
-
-
-def _describe(x) -> str:
-    import torch
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dtype} tensor {list(x.shape)} on {x.device}"
-    return type(x).__name__
 
 
 def _bf16_on_cpu(q, *tensors) -> bool:

@@ -16,7 +16,7 @@ import lrdsl
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 
 # an erase and a decay per token; a decay per key channel; auxiliary states (the ATK preconditioner's
-# P, K-wide); a readout of the state before the update (rwkv6: api._step_before); a product of two
+# P, K-wide); a readout of the state before the update (rwkv6: runtime/decode.step_before); a product of two
 # rank-1 steps per token (runtime/product.step)
 STEPPED = ["gated_deltanet", "kda", "precond_deltanet", "rwkv6", "delta_product2"]
 CASE = Case(B=3, T=5, H=1, HV=2, K=16, V=12, initial_state=True, seed=11)

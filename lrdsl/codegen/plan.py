@@ -9,13 +9,14 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-import sympy as sp
-
+from lrdsl.codegen import raw as operands
 from lrdsl.codegen.chain import Chain, chain
+from lrdsl.codegen.raw import Raw
+from lrdsl.codegen.raw import bounds as _bounds
 from lrdsl.codegen.readouts import fused
 from lrdsl.codegen.split import not_staged as _not_staged
 from lrdsl.codegen.split import split_ir
-from lrdsl.codegen.texpr import code, number, var
+from lrdsl.codegen.texpr import code, var
 from lrdsl.frontend import ir, printer
 from lrdsl.frontend.symbolic import simplified
 
@@ -39,16 +40,6 @@ class Step:
     var: str
     expr: str
     kind: str
-
-
-@dataclass(frozen=True)
-class Raw:
-    """A product operand that is one input's tile as stored, times a per-token number."""
-    ptr: str  # the input's pointer argument
-    heads: str  # "H" (one per key head) or "HV"
-    head: str  # "i_h" or "i_hv"
-    factor: str  # Triton text of the per-token factor, "1.0" when none
-    norm: bool = False  # the input is L2-normalised in the kernels (one more per-token number, 1/||x||)
 
 
 @dataclass(frozen=True)
@@ -419,13 +410,6 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _bounds(i: ir.Input) -> tuple:
-    """The declared range of an input as literals; none where the kernels do not clamp it."""
-    if not i.clamped:
-        return "", ""
-    return tuple(number(b) if b.is_finite else "" for b in (i.lo, i.hi))
-
-
 def plan(m: ir.Mixer) -> Plan:
     if m.steps:  # its kernels are its one-step sub-mixer's (codegen/product.py), planned on their own
         raise ValueError(f"mixer '{m.name}' is a product of steps: plan its sub-mixer, codegen.product.sub_ir(m)")
@@ -433,16 +417,16 @@ def plan(m: ir.Mixer) -> Plan:
     loads += tuple(Load(p.name, var(p.name), p.kind, False, False, *_bounds(p), per_head=True) for p in m.params)
     not_staged = _not_staged(m)
     rank2 = _rank2(m)
-    raw = _raw_operands(m) if not not_staged else ()
+    raw = operands.raw_operands(m) if not not_staged else ()
     aux_lets = _aux_lets(m)
     summary = (f"mixer {m.name}",
                *("  " + line for line in printer.explicit(m).splitlines()[1:]))
     staged_reason = not_staged + (SPLIT_NOTE if not_staged and split_ir(m) is not None else "")
     the_chain = chain(m) if not not_staged else None
     stored_lets = tuple((var(lt.name), lt.kind, "let_" + lt.name + "_ptr") for lt in _stored_lets(m, aux_lets))
-    raw_key = _raw_key(m) if not not_staged else None
-    raw_query = _raw_query(m) if not not_staged else None
-    raw_wy = _raw_wy(m) if not not_staged else ()
+    raw_key = operands.raw_key(m) if not not_staged else None
+    raw_query = operands.raw_query(m) if not not_staged else None
+    raw_wy = operands.raw_wy(m) if not not_staged else ()
     before = fused(m)
     return Plan(
         mixer=m.name,
@@ -471,7 +455,7 @@ def plan(m: ir.Mixer) -> Plan:
         rank2_resets=_log_decay_inputs(m) if rank2 else (),
         chain=the_chain,
         raw=raw,
-        raw_value=_raw_value(m, raw) if not not_staged else None,
+        raw_value=operands.raw_value(m, raw) if not not_staged else None,
         raw_key=raw_key,
         raw_wy=raw_wy,
         raw_query=raw_query,
@@ -506,59 +490,6 @@ def _rank2(m: ir.Mixer) -> bool:
 def _log_decay_inputs(m: ir.Mixer) -> tuple:
     """The inputs that are the log-decay itself (plan.rank2_resets)."""
     return tuple(i.name for i in m.inputs if i.log and simplified(m.log_decay() - i.symbol) == 0)
-
-
-def _raw_operands(m: ir.Mixer) -> tuple:
-    """plan.raw: the write key, write value and query as Raw, or () unless all three are."""
-    if m.delta is not None or m.decay.kind == "diagonal":
-        return ()
-    parts = tuple(_raw(m, e, kind) for e, kind in ((m.write.key, "K"), (m.write.value, "V"), (m.query, "K")))
-    return parts if all(parts) else ()
-
-
-def _raw_key(m: ir.Mixer) -> Raw | None:
-    """plan.raw_key."""
-    if m.delta is None or m.decay.kind == "diagonal" or m.aux:
-        return None
-    return _raw(m, m.write.key, "K", normalised=True)
-
-
-def _raw_wy(m: ir.Mixer) -> tuple:
-    """plan.raw_wy."""
-    key = _raw_key(m)
-    if key is None:
-        return ()
-    c, z = _raw(m, m.delta.c, "K", normalised=True), _raw(m, m.write.value, "V")
-    if c is None or z is None or z.factor != "1.0" or (c.ptr, c.heads) != (key.ptr, key.heads):
-        return ()
-    return c, z
-
-
-def _raw_query(m: ir.Mixer) -> Raw | None:
-    """plan.raw_query."""
-    if m.decay.kind == "diagonal" or m.aux:
-        return None
-    return _raw(m, m.query, "K", normalised=True)
-
-
-def _raw_value(m: ir.Mixer, raw: tuple) -> Raw | None:
-    """plan.raw_value, given plan.raw."""
-    v = _raw(m, m.write.value, "V") if m.delta is None else None
-    return v if v is not None and (v.factor == "1.0" or raw) else None
-
-
-def _raw(m: ir.Mixer, e, kind: str, normalised: bool = False) -> Raw | None:
-    """e as one input of this kind (unclamped; not normalised, unless `normalised` allows it) times
-    per-token numbers, or None."""
-    kinds = m.kinds()
-    e = m.inline_lets(e)
-    tiles = [a for a in sp.Mul.make_args(e) if any(kinds[s.name] != "scalar" for s in a.free_symbols)]
-    if len(tiles) != 1 or not isinstance(tiles[0], sp.Symbol):
-        return None
-    i = next((i for i in m.inputs if i.name == tiles[0].name), None)
-    if i is None or i.kind != kind or (i.l2norm and not normalised) or _bounds(i) != ("", ""):
-        return None
-    return Raw(f"in_{i.name}", "H" if i.shared else "HV", "i_h" if i.shared else "i_hv", code(e / tiles[0]), i.l2norm)
 
 
 def _aux_lets(m: ir.Mixer) -> tuple:

@@ -18,6 +18,7 @@ import sympy as sp
 
 from lrdsl.errors import SpecError
 from lrdsl.frontend import ir, primitives
+from lrdsl.frontend.combos import check_before_terms, check_product, check_readout, check_value_side
 from lrdsl.frontend.desugar import desugar
 from lrdsl.frontend.params import declared_range, lower_params
 from lrdsl.frontend.symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
@@ -491,76 +492,19 @@ def lower(spec: Spec) -> ir.Mixer:
         raise SpecError("the spec has no readout; add the line `o = S^T q`", spec.span)
     decay, delta, write, steps, side, n = transition(lw, update)
     out = lw.expr(readout.expr)
-    if not isinstance(out, Out):
-        raise SpecError(f"the readout must read the state as o = S^T x with x a [K] vector; "
-                        f"this is {_desc(out)}", readout.span)
-    if simplified(out.query) == 0 and simplified(out.prev) == 0:
-        raise SpecError("the readout must read the state: add S^T x or S_prev^T x (x a [K] vector), "
-                        "e.g. o = S^T q", readout.span)
-    if out.lam is not None and (out.prev != 0 or out.bonus):
-        raise SpecError("the offline solve's readout is o = S^T (G + diag(lamb))^-1 q alone; it takes no "
-                        "S_prev^T or dot-product terms", readout.span)
-    if out.lam is not None:
-        if delta is not None:
-            raise SpecError("the offline solve (o = S^T (G + diag(lamb))^-1 q) goes with a transition without "
-                            "erase: S = D S + u v^T, its Gram state G = D G + u k^T", readout.span)
-        if out.lam == 0:
-            raise SpecError("the solve needs a regulariser: o = S^T (G + diag(lamb))^-1 q with lamb > 0",
-                            readout.span)
-        if any(lw.kinds.get(str(sym)) == "V" for sym in out.lam.free_symbols):
-            raise SpecError("the regulariser of the solve runs over key channels (K), not value channels",
-                            readout.span)
+    check_readout(lw, out, delta, readout.span)
     bonus = tuple(ir.Bonus(k, e, z) for k, e, z in out.bonus if simplified(e) != 0 and simplified(z) != 0)
-    _check_before_terms(out, aux, lets, readout.span)
+    check_before_terms(out, aux, lets, readout.span)
     m = ir.Mixer(spec.name, tuple(inputs), tuple(aux), tuple(lets), decay, delta, write, out.query,
                  "unstable" in allow, solve_lam=out.lam, params=tuple(params), update_span=update.span,
                  readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow,
                  query_prev=out.prev, bonus=bonus, steps=steps, side=side, n_decay=n[0] if n else None,
                  n_delta=n[1] if n else None)
-    _check_product(m, update.span)
+    check_product(m, update.span)
     if side != "left":
-        _check_value_side(m, update.span, readout.span)
+        check_value_side(m, update.span, readout.span)
     check_constants(m, update.span)
     return m
-
-
-def _check_value_side(m: ir.Mixer, span, readout_span) -> None:
-    """What a value-side transition (S N) does not combine with yet: each refused where it is written."""
-    if m.aux:
-        raise SpecError("auxiliary states with a value-side transition (S N) are not supported yet; "
-                        "compute the per-token quantities from inputs and lets", m.aux[0].span)
-    if m.solve_lam is not None or m.reads_before:
-        raise SpecError("a value-side transition (S N) reads out as o = S^T x alone: S_prev^T, dot-product "
-                        "terms and the offline solve are not supported with it yet", readout_span)
-
-
-def _check_product(m: ir.Mixer, span) -> None:
-    """What a product of steps per token does not take yet: each is refused with the reason."""
-    if not m.steps:
-        return
-    why = ("auxiliary states (they would advance once per step)" if m.aux else
-           "an offline solve" if m.solve_lam is not None else
-           "readout terms beside S^T x (S_prev^T y, dot products)" if m.reads_before else "")
-    if why:
-        raise SpecError(f"a product of {m.n_steps} steps per token does not take {why} yet; write one step "
-                        "per token, or drop them", span)
-
-
-def _check_before_terms(out: Out, aux, lets, span) -> None:
-    """S_prev^T y and the dot products run outside the kernels (codegen/readouts.py), where the
-    auxiliary states are not at hand: they may read inputs, params and lets of those only."""
-    if not aux:
-        return
-    inlined = {}
-    for lt in lets:
-        inlined[ir.symbol(lt.name)] = lt.expr.xreplace(inlined)
-    states = {ir.symbol(a.name) for a in aux}
-    for e in (out.prev, *(x for _, s, z in out.bonus for x in (s, z))):
-        used = sp.sympify(e).xreplace(inlined).free_symbols & states
-        if used:
-            raise SpecError(f"S_prev^T y and dot-product terms of the readout may not read an auxiliary state "
-                            f"({', '.join(sorted(map(str, used)))}); read it through S^T x, or write the term "
-                            "from inputs, params and lets of those", span)
 
 
 def _input(lw: Lowerer, d) -> ir.Input:

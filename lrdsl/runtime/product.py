@@ -14,6 +14,7 @@ import torch
 
 from lrdsl.codegen import product as cp
 from lrdsl.frontend import ir
+from lrdsl.runtime import decode
 from lrdsl.runtime.reference import l2norm, to_torch
 
 
@@ -141,7 +142,7 @@ def step(mixer, batch, state, out=None, return_states=False, states_out=None):
     n = mixer.ir.n_steps
     every = None
     if return_states or states_out is not None:
-        buf = mixer._states_buffer(batch, states_out, v.device)  # checked before the state moves
+        buf = decode.states_buffer(mixer, batch, states_out, v.device)  # checked before the state moves
         o, sub_every = mixer.product.step(q, k, v, state, batch.scale, return_states=True, **x)
         parts = ({"S": sub_every.S, **sub_every.aux} if hasattr(sub_every, "aux") else {"S": sub_every})
         dest = ({"S": buf.S, **buf.aux} if hasattr(buf, "aux") else {"S": buf})
