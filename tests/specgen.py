@@ -52,6 +52,13 @@ def kernel_examples() -> tuple:
     return tuple(sorted(p for p in root.glob("*.lr") if spec_to_ir(p.read_text()).solve_lam is None))
 
 
+def rendered_ir(path):
+    """The IR whose kernels a spec runs: a product of steps runs its one-step sub-mixer's."""
+    import lrdsl
+    m = lrdsl.compile(path, load_kernels=False)
+    return m.product.ir if m.ir.steps else m.ir
+
+
 def default_first(case_ids, default):
     """pytest params of a matrix of cases: `default` (the richest: packed sequences, grouped value
     heads, an initial state) runs in `pytest -q`, the others under `-m slow`, which CI also runs,

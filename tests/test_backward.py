@@ -26,7 +26,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from specgen import axis_specs, default_first, example_params, kernel_examples
+from specgen import axis_specs, default_first, example_params, kernel_examples, rendered_ir
 from test_recurrent import general_kernels
 
 import lrdsl
@@ -593,12 +593,6 @@ let qa = sigmoid(a) * q
 S = (I - b k k^T) exp(-softplus(a)) S + b k v^T
 o = S^T qa
 """
-
-
-def rendered_ir(path):
-    """The IR whose kernels a spec runs: a product of steps runs its one-step sub-mixer's."""
-    m = lrdsl.compile(path, load_kernels=False)
-    return m.product.ir if m.ir.steps else m.ir
 
 
 def test_chain_at_dr_only_where_q_alone_reads_r():

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from specgen import rendered_ir
 from test_backward import count_launches
 from test_chunk import check_fp16, reference
 from test_nonfinite import check_causal, spoil
@@ -68,7 +69,7 @@ def _counted(mixer, monkeypatch):
 def test_plan_flag_and_kernels(compiled):
     """rank2 for the decay after the erase along the write key; not for a left order, another erase
     direction, or an auxiliary state; only rank2 specs generate the native kernels."""
-    flags = {p.stem: plan(lrdsl.compile(p, load_kernels=False).ir).rank2 for p in EXAMPLES}
+    flags = {p.stem: plan(rendered_ir(p)).rank2 for p in EXAMPLES}
     assert {n for n, f in flags.items() if f} == {"kda_decay_after_erase"}
     other = lrdsl.compile(text="mixer right_other\ninput q[K] l2norm, k[K] l2norm, a[K] l2norm, v[V], g[K] log, "
                                "beta in (0, 1)\nS = diag(exp(g)) (I - beta a a^T) S + k v^T\no = S^T q\n",
