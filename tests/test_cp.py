@@ -341,7 +341,7 @@ def disagree_worker(rank, world, out_dir):
 
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
     # the ranks stop before any kernel runs: no kernels to load
     mixer = lrdsl.compile(EXAMPLES["gated_deltanet"], check_stability=False, load_kernels=False)
     said = {}
