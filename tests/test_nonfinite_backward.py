@@ -210,7 +210,7 @@ def test_device_copies_flags_and_nan_at(compiled):
         assert torch.isnan(gr.float()).tolist() == w, n
 
 
-# -inf in an input that is the log-decay itself but not declared `log` (no range, or (-inf, 0]):
+# -inf in an input that is a log-decay itself but not declared `log` (no range, or (-inf, 0]):
 # exp(-inf) = 0 is a reset, and the float64 reference's gradients are finite everywhere. The guard
 # took it for a bad entry and ran the backward on a finite fill (a decay near 1, not 0): every
 # gradient came out finite and wrong (rms ratio 0.04 to 1.3) and the decay's own nan (measured
@@ -221,6 +221,10 @@ UNDECLARED_DECAY = {
     "scalar-nonpositive": "mixer s\ninput q[K] l2norm, k[K] l2norm, v[V], b in (0, 1), g in (-inf, 0]\n"
                           "S = (I - b k k^T) exp(g) S + b k v^T\no = S^T q\n",
     "diagonal": "mixer d\nallow unstable\ninput q[K], k[K], v[V], g[K]\nS = diag(exp(g)) S + k v^T\no = S^T q\n",
+    # an auxiliary state's decay (gdn2_atk's preconditioner, its g declared (-inf, 0], not log)
+    "auxiliary": "mixer a\ninput q[K] l2norm, k[K] l2norm, v[V], d[K] log, g shared in (-inf, 0], c shared in (0, 1)\n"
+                 "state p[K] = c*k^2 + p*exp(g)\nlet m = squash(p, x = 3/2, center = -1/5)\n"
+                 "S = (I - (k*m) k^T) diag(exp(d)) S + (k*m) v^T\no = S^T q\n",
 }
 # (T, the rows at -inf): one token inside a 16-token block; a whole 16-token block inside a chunk
 RESET_ROWS = {"token": (40, [13]), "block": (80, list(range(16, 32)))}
@@ -241,6 +245,8 @@ def test_minus_inf_in_an_undeclared_log_decay_is_a_reset(decay, rows, mode, monk
     x, opts = draw_inputs(mixer, Case(B=1, T=T, H=1, HV=1, K=16, V=16, initial_state=True, seed=11), DEVICE)
     gen = torch.Generator().manual_seed(12)
     g = -torch.nn.functional.softplus(torch.randn(x["g"].shape, generator=gen)) - 0.05  # decays in (0, 0.95)
+    if "d" in x:
+        x["d"] = -torch.nn.functional.softplus(torch.randn(x["d"].shape, generator=gen)).to(DEVICE)
     g[0, at] = -math.inf
     x["g"] = g.to(DEVICE)
     do = torch.randn(1, T, 1, 16, generator=gen, dtype=torch.float64).to(DEVICE)

@@ -25,12 +25,16 @@ what the forward kept (the behaviour before 2026-12-06).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
+import sympy as sp
 import torch
 import triton
 import triton.language as tl
+
+from lrdsl.frontend.ir import log_of
 
 MODE = "device"  # "device": no host synchronisation; "host": a check read back once per backward
 
@@ -49,18 +53,44 @@ def _fill(i) -> float:
     return 0.0
 
 
-@functools.lru_cache(maxsize=256)  # a sympy pass (~80 us) that every backward would repeat
+@functools.lru_cache(maxsize=256)  # a sympy pass (~0.1 ms) that every backward would repeat
 def resets(mixer_ir) -> frozenset:
     """The inputs whose -inf is a reset, not a bad entry: every `log` input, and every input that is
-    the per-token log-decay itself (`exp(g)` or `diag(exp(w))`) whatever its declared range. The
-    chunked kernels floor the log-decay (plan._floored) and the chain rule gives it a zero gradient
-    below the floor, as the reference's exp(-inf) = 0 has it; a finite fill in its place would be a
-    decay near 1 instead of 0, and every gradient before it a finite wrong number."""
-    names = {i.name for i in mixer_ir.inputs if i.log}
-    if mixer_ir.decay.kind in ("scalar", "diagonal"):
-        log_decay = mixer_ir.inline_lets(mixer_ir.log_decay())
-        names |= {i.name for i in mixer_ir.inputs if log_decay == i.symbol}
-    return frozenset(names)
+    a per-token log-decay itself, whatever its declared range, and enters nothing else: the state's
+    (`exp(g)`, `diag(exp(w))`) or an auxiliary state's of one number per head (`p = exp(g) p + ...`).
+    The chunked kernels floor those log-decays (plan._floored, plan._aux_log_decay) and the chain
+    rule gives them a zero gradient below the floor, as the reference's exp(-inf) = 0 has it; a
+    finite fill in its place would be a decay near 1 instead of 0, and the gradients finite wrong
+    numbers. (Elsewhere, `g k v^T` say, -inf is a non-finite input as any other.)"""
+    m = mixer_ir
+    kinds = m.kinds()
+    decays, rest = [], []
+    if m.decay.kind in ("scalar", "diagonal"):
+        decays.append(m.log_decay())
+    else:
+        rest.append(m.decay)
+    for a in m.aux:
+        if all(kinds[s.name] == "scalar" for s in m.inline_lets(a.decay).free_symbols):
+            decays.append(log_of(m.inline_lets(a.decay)))
+        else:
+            rest.append(a.decay)
+        rest.append(a.write)
+    rest += [getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("inputs", "params", "aux", "lets", "decay")]
+    used = set().union(*(m.inline_lets(e).free_symbols for e in _exprs(rest)))
+    return frozenset(i.name for i in m.inputs
+                     if i.log or (i.symbol not in used and any(m.inline_lets(d) == i.symbol for d in decays)))
+
+
+def _exprs(x):
+    """Every sympy expression inside x (dataclasses, tuples and lists of them, or expressions)."""
+    if isinstance(x, sp.Basic):
+        yield x
+    elif dataclasses.is_dataclass(x):
+        for f in dataclasses.fields(x):
+            yield from _exprs(getattr(x, f.name))
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _exprs(y)
 
 
 def _bad(i, x: torch.Tensor, reset: bool) -> torch.Tensor:
