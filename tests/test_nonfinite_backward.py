@@ -208,3 +208,53 @@ def test_device_copies_flags_and_nan_at(compiled):
     isnan = [[False, True, True, False], [False, False, True, False], [False] * 4, [False] * 4]
     for n, gr, w in zip(names, grads, isnan):
         assert torch.isnan(gr.float()).tolist() == w, n
+
+
+# -inf in an input that is a log-decay itself but not declared `log` (no range, or (-inf, 0]):
+# exp(-inf) = 0 is a reset, and the float64 reference's gradients are finite everywhere. The guard
+# took it for a bad entry and ran the backward on a finite fill (a decay near 1, not 0): every
+# gradient came out finite and wrong (rms ratio 0.04 to 1.3) and the decay's own nan (measured
+# 2026-12-06, before runtime/nonfinite.resets)
+UNDECLARED_DECAY = {
+    "scalar": "mixer s\nallow unstable\ninput q[K] l2norm, k[K] l2norm, v[V], b in (0, 1), g\n"
+              "S = (I - b k k^T) exp(g) S + b k v^T\no = S^T q\n",
+    "scalar-nonpositive": "mixer s\ninput q[K] l2norm, k[K] l2norm, v[V], b in (0, 1), g in (-inf, 0]\n"
+                          "S = (I - b k k^T) exp(g) S + b k v^T\no = S^T q\n",
+    "diagonal": "mixer d\nallow unstable\ninput q[K], k[K], v[V], g[K]\nS = diag(exp(g)) S + k v^T\no = S^T q\n",
+    # an auxiliary state's decay (gdn2_atk's preconditioner, its g declared (-inf, 0], not log)
+    "auxiliary": "mixer a\ninput q[K] l2norm, k[K] l2norm, v[V], d[K] log, g shared in (-inf, 0], c shared in (0, 1)\n"
+                 "state p[K] = c*k^2 + p*exp(g)\nlet m = squash(p, x = 3/2, center = -1/5)\n"
+                 "S = (I - (k*m) k^T) diag(exp(d)) S + (k*m) v^T\no = S^T q\n",
+}
+# (T, the rows at -inf): one token inside a 16-token block; a whole 16-token block inside a chunk
+RESET_ROWS = {"token": (40, [13]), "block": (80, list(range(16, 32)))}
+
+
+# mode: the guard's ("device", "host"), or "general": the general kernels (keep_intermediates)
+@pytest.mark.parametrize("mode", ["device", pytest.param("host", marks=pytest.mark.slow),
+                                  pytest.param("general", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rows", list(RESET_ROWS))
+@pytest.mark.parametrize("decay", list(UNDECLARED_DECAY))
+def test_minus_inf_in_an_undeclared_log_decay_is_a_reset(decay, rows, mode, monkeypatch):
+    from lrdsl.runtime import nonfinite
+    monkeypatch.setattr(nonfinite, "MODE", "host" if mode == "host" else "device")
+    mixer = lrdsl.compile(text=UNDECLARED_DECAY[decay], check_ranges=False, keep_intermediates=mode == "general")
+    if mode == "general":
+        general_kernels(mixer, monkeypatch)
+    T, at = RESET_ROWS[rows]
+    x, opts = draw_inputs(mixer, Case(B=1, T=T, H=1, HV=1, K=16, V=16, initial_state=True, seed=11), DEVICE)
+    gen = torch.Generator().manual_seed(12)
+    g = -torch.nn.functional.softplus(torch.randn(x["g"].shape, generator=gen)) - 0.05  # decays in (0, 0.95)
+    if "d" in x:
+        x["d"] = -torch.nn.functional.softplus(torch.randn(x["d"].shape, generator=gen)).to(DEVICE)
+    g[0, at] = -math.inf
+    x["g"] = g.to(DEVICE)
+    do = torch.randn(1, T, 1, 16, generator=gen, dtype=torch.float64).to(DEVICE)
+    ref = gradients(mixer.reference, x, opts, torch.float64, do)
+    assert all(torch.isfinite(t).all() for t in ref.values())  # nothing for the guard to spoil
+    got = gradients(mixer.chunk, x, opts, torch.float32, do)
+    for n, t in ref.items():
+        assert torch.isfinite(got[n]).all(), f"{decay} {rows}: d{n} not finite"
+        err = rms_ratio(got[n], t)
+        limit = TOL if n in ("q", "k", "v", "h0") else GATE_GRAD_FACTOR * TOL
+        assert err < limit, f"{decay} {rows}: d{n} rms ratio {err:.3g}"

@@ -8,7 +8,9 @@ reverse pass (the state gradient over chunks, the log-decays' reverse sums, the 
 reverse scans) carries a product with the bad token's terms to the tokens before it. So the
 backward runs on finite copies of the inputs: each entry that the kernels would take as non-finite
 is replaced by a finite value inside its declared range, and its own gradient is nan (it has none).
-Every other gradient is then that of the loss on the outputs the forward left finite.
+Every other gradient is then that of the loss on the outputs the forward left finite. -inf in the
+log-decay itself (a `log` input, or `g` of `exp(g)` whatever its range: resets) is a reset, not a
+bad entry: the reference's exp(-inf) = 0 keeps every output and gradient finite.
 
 Two ways to find the bad entries (MODE). "device", the default: every backward takes the finite copies,
 made by one Triton pass over each input that also sets the input's flag on the device where it has a
@@ -23,11 +25,16 @@ what the forward kept (the behaviour before 2026-12-06).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
+import sympy as sp
 import torch
 import triton
 import triton.language as tl
+
+from lrdsl.frontend.ir import log_of
 
 MODE = "device"  # "device": no host synchronisation; "host": a check read back once per backward
 
@@ -46,14 +53,55 @@ def _fill(i) -> float:
     return 0.0
 
 
-def _bad(i, x: torch.Tensor) -> torch.Tensor:
+@functools.lru_cache(maxsize=256)  # a sympy pass (~0.1 ms) that every backward would repeat
+def resets(mixer_ir) -> frozenset:
+    """The inputs whose -inf is a reset, not a bad entry: every `log` input, and every input that is
+    a per-token log-decay itself, whatever its declared range, and enters nothing else: the state's
+    (`exp(g)`, `diag(exp(w))`) or an auxiliary state's of one number per head (`p = exp(g) p + ...`).
+    The chunked kernels floor those log-decays (plan._floored, plan._aux_log_decay) and the chain
+    rule gives them a zero gradient below the floor, as the reference's exp(-inf) = 0 has it; a
+    finite fill in its place would be a decay near 1 instead of 0, and the gradients finite wrong
+    numbers. (Elsewhere, `g k v^T` say, -inf is a non-finite input as any other.)"""
+    m = mixer_ir
+    kinds = m.kinds()
+    decays, rest = [], []
+    if m.decay.kind in ("scalar", "diagonal"):
+        decays.append(m.log_decay())
+    else:
+        rest.append(m.decay)
+    for a in m.aux:
+        if all(kinds[s.name] == "scalar" for s in m.inline_lets(a.decay).free_symbols):
+            decays.append(log_of(m.inline_lets(a.decay)))
+        else:
+            rest.append(a.decay)
+        rest.append(a.write)
+    rest += [getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("inputs", "params", "aux", "lets", "decay")]
+    used = set().union(*(m.inline_lets(e).free_symbols for e in _exprs(rest)))
+    return frozenset(i.name for i in m.inputs
+                     if i.log or (i.symbol not in used and any(m.inline_lets(d) == i.symbol for d in decays)))
+
+
+def _exprs(x):
+    """Every sympy expression inside x (dataclasses, tuples and lists of them, or expressions)."""
+    if isinstance(x, sp.Basic):
+        yield x
+    elif dataclasses.is_dataclass(x):
+        for f in dataclasses.fields(x):
+            yield from _exprs(getattr(x, f.name))
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _exprs(y)
+
+
+def _bad(i, x: torch.Tensor, reset: bool) -> torch.Tensor:
     """Where the kernels take x as non-finite: nan; +inf or -inf where no clamp into the declared
-    range makes it finite (-inf in a log-decay is a reset, floored by the chunked kernels)."""
-    clamped = i.clamped
+    range makes it finite (-inf in a log-decay is a reset (`reset`: resets'), floored by the chunked
+    kernels)."""
+    pos, neg = _bad_ends(i, reset)
     bad = torch.isnan(x)
-    if not (clamped and i.hi.is_finite):
+    if pos:
         bad |= torch.isposinf(x)
-    if not (clamped and i.lo.is_finite) and not i.log:
+    if neg:
         bad |= torch.isneginf(x)
     return bad
 
@@ -74,7 +122,8 @@ def bad_entries(mixer_ir, names, tensors) -> list | None:
     if not floats or not bool(torch.stack([_maybe_bad(t) for t in floats]).any()):
         return None
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
-    masks = [_bad(spec[n], t) if n in spec and t.is_floating_point() else None for n, t in zip(names, tensors)]
+    rs = resets(mixer_ir)
+    masks = [_bad(spec[n], t, n in rs) if n in spec and t.is_floating_point() else None for n, t in zip(names, tensors)]
     if not any(m is not None and bool(m.any()) for m in masks):  # +-inf a clamp makes finite, resets
         return None
     return masks
@@ -92,11 +141,11 @@ def nan_at(grads, masks) -> list:
     return [g if g is None or m is None else g.masked_fill(m, math.nan) for g, m in zip(grads, masks)]
 
 
-def _bad_ends(i) -> tuple:
-    """(+inf is bad, -inf is bad) for input i (_bad's rule: a clamp into a finite end makes that
-    infinity finite, and -inf in a log-decay is a reset)."""
+def _bad_ends(i, reset: bool) -> tuple:
+    """(+inf is bad, -inf is bad) for input i: a clamp into a finite end makes that infinity finite,
+    and -inf in a log-decay is a reset (`reset`: i is one of resets')."""
     clamped = i.clamped
-    return not (clamped and i.hi.is_finite), not (clamped and i.lo.is_finite) and not i.log
+    return not (clamped and i.hi.is_finite), not (clamped and i.lo.is_finite) and not reset
 
 
 def device_copies(mixer_ir, names, tensors) -> tuple:
@@ -104,6 +153,7 @@ def device_copies(mixer_ir, names, tensors) -> tuple:
     input on the device, 1 where it has a nan or an infinite entry (None for one not floating
     point)): one pass over each input that copies and flags it, nothing read back."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    rs = resets(mixer_ir)
     live = [j for j, (n, t) in enumerate(zip(names, tensors)) if n in spec and t.is_floating_point()]
     if not live:
         return list(tensors), [None] * len(tensors)
@@ -112,7 +162,7 @@ def device_copies(mixer_ir, names, tensors) -> tuple:
     for slot, j in enumerate(live):
         t, i = tensors[j], spec[names[j]]
         fill = _fill(i)
-        pos, neg = _bad_ends(i)
+        pos, neg = _bad_ends(i, names[j] in rs)
         flags_[j] = buf[slot]
         if t.dtype == torch.float64 or not t.numel():  # (the kernel computes in fp32)
             out[j] = torch.nan_to_num(t, nan=fill, posinf=fill if pos else math.inf, neginf=fill if neg else -math.inf)
@@ -182,14 +232,15 @@ def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
     """The gradients (None where not asked for) with nan at each bad entry of their input, on the device
     (in place: they are this backward's own); bad_flags: device_copies' flags."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    rs = resets(mixer_ir)
     out = []
     for n, t, g, f in zip(names, tensors, grads, bad_flags):
         if g is None or n not in spec or f is None:
             out.append(g)
             continue
-        pos, neg = _bad_ends(spec[n])
+        pos, neg = _bad_ends(spec[n], n in rs)
         if g.shape != t.shape or not g.is_contiguous() or not g.numel():
-            out.append(g.masked_fill(_bad(spec[n], t), math.nan))
+            out.append(g.masked_fill(_bad(spec[n], t, n in rs), math.nan))
             continue
         _nan_at_bad_kernel[_launch_blocks(g.numel())](g, t.contiguous(), f, g.numel(), POS=pos, NEG=neg, BLOCK=BLOCK)
         out.append(g)
