@@ -21,6 +21,7 @@ from lrdsl.frontend import ir, primitives
 from lrdsl.frontend.combos import check_before_terms, check_product, check_readout, check_value_side
 from lrdsl.frontend.desugar import desugar
 from lrdsl.frontend.params import declared_range, lower_params
+from lrdsl.frontend.steps import compose
 from lrdsl.frontend.symbolic import MAX_INLINED_DEPTH, check_constants, inlined_depth, simplified
 from lrdsl.frontend.syntax import (
     Allow,
@@ -440,7 +441,7 @@ def lower(spec: Spec) -> ir.Mixer:
     lw = Lowerer()
     inputs, aux, lets, params = [], [], [], []
     inlined = {}  # let name -> its expression in inputs and states (sympy folds what it can)
-    update = readout = None
+    readout = None
     allow = set()
     for st in spec.statements:
         if isinstance(st, Inputs):
@@ -468,9 +469,7 @@ def lower(spec: Spec) -> ir.Mixer:
             lw.declare(st.name, val.kind, st.span, "let name")
             lets.append(ir.Let(st.name, val.kind, val.expr, st.span))
         elif isinstance(st, Update):
-            if update is not None:
-                raise SpecError("S is updated twice; a spec has one update line", st.span)
-            update = st
+            pass  # one line, or several in a row for a product of steps: composed below
         elif isinstance(st, Readout):
             if readout is not None:
                 raise SpecError("the readout o = ... is given twice", st.span)
@@ -486,10 +485,11 @@ def lower(spec: Spec) -> ir.Mixer:
             raise SpecError(f"every mixer has the inputs q[K], k[K] and v[V]; "
                             f"{'declare' if got is None else 'fix'} `input {need}[{kind}]`",
                             got.span if got else spec.span)
-    if update is None:
+    if not any(isinstance(st, Update) for st in spec.statements):
         raise SpecError("the spec has no update of the state; add a line like `S = S + k v^T`", spec.span)
     if readout is None:
         raise SpecError("the spec has no readout; add the line `o = S^T q`", spec.span)
+    update, product_span = compose(lw, spec.statements)
     decay, delta, write, steps, side, n = transition(lw, update)
     out = lw.expr(readout.expr)
     check_readout(lw, out, delta, readout.span)
@@ -500,7 +500,7 @@ def lower(spec: Spec) -> ir.Mixer:
                  readout_span=readout.span, allow_ill_conditioned="ill_conditioned" in allow,
                  query_prev=out.prev, bonus=bonus, steps=steps, side=side, n_decay=n[0] if n else None,
                  n_delta=n[1] if n else None)
-    check_product(m, update.span)
+    check_product(m, product_span)
     if side != "left":
         check_value_side(m, update.span, readout.span)
     check_constants(m, update.span)
