@@ -15,7 +15,7 @@ import dataclasses
 
 from lrdsl.errors import Span, SpecError
 from lrdsl.frontend.syntax import BinOp, Call, Neg, Readout, Transpose, Update, Var
-from lrdsl.frontend.transition import _canonical
+from lrdsl.frontend.transition import canonical
 from lrdsl.frontend.values import St
 from lrdsl.frontend.values import describe as _desc
 
@@ -68,7 +68,7 @@ def _check_step(lw, st: Update, before: int) -> int:
                         "yet; write one step per token", st.span)
     if val.inner:  # itself a nested product: its steps are checked when the whole is lowered
         return before + _n_steps(val)
-    decay, delta = _canonical(lw, val.carried, st.span, "left")
+    decay, delta = canonical(lw, val.carried, st.span, "left")
     i = before + 1
     if decay.kind != "identity":
         raise SpecError(f"step {i} of the product has a decay ({decay.value}); lrdsl takes one decay per token, "

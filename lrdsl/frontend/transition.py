@@ -29,8 +29,8 @@ def transition(lw, update: Update):
                             "supported yet; write one step per token", span)
         if not val.carried:
             raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
-        decay, delta = _canonical(lw, val.carried, span, "right" if val.side == "right" else "left")
-        n = _canonical(lw, val.right, span, "right") if val.side == "both" else None
+        decay, delta = canonical(lw, val.carried, span, "right" if val.side == "right" else "left")
+        n = canonical(lw, val.right, span, "right") if val.side == "both" else None
         return decay, delta, _write(lw, val, span), (), val.side, n
     if not val.inner:
         return (*_step(lw, val, span), (), "left", None)
@@ -54,7 +54,7 @@ def _step(lw, val: St, span, which: str = ""):
                         span)
     if not val.carried:
         raise SpecError("the update forgets S entirely; write the transition, e.g. S = exp(g) S + k v^T", span)
-    return (*_canonical(lw, val.carried, span, "left"), _write(lw, val, span))
+    return (*canonical(lw, val.carried, span, "left"), _write(lw, val, span))
 
 
 def _write(lw, val: St, span) -> ir.Write:
@@ -67,7 +67,7 @@ def _write(lw, val: St, span) -> ir.Write:
     return ir.Write(sp.factor_terms(key * coeff), vpart)
 
 
-def _canonical(lw, carried, span, side: str):
+def canonical(lw, carried, span, side: str):
     """One side's transition as (Decay, Delta or None): M over key channels (side "left") or N over
     value channels (side "right")."""
     diag = sp.Integer(0)
