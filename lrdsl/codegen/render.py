@@ -7,7 +7,7 @@ from importlib import resources
 
 import jinja2
 
-from lrdsl.codegen import schedule
+from lrdsl.codegen import schedule, value_side
 from lrdsl.codegen.plan import Plan
 
 
@@ -24,7 +24,7 @@ def _env() -> jinja2.Environment:
 
 
 def render(plan: Plan, version: str) -> str:
-    return _render("module.py.jinja", plan=plan, schedule=schedule, version=version)
+    return _render("module.py.jinja", plan=plan, schedule=schedule, value_side=value_side, version=version)
 
 
 def render_solve(solve, version: str) -> str:
