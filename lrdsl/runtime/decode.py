@@ -24,8 +24,8 @@ def step(mixer, q, k, v, state, scale=None, out=None, return_states=False, state
     if mixer.ir.steps:
         from lrdsl.runtime import product
         batch = mixer._validate(q, k, v, inputs, scale, state, True, None)
-        return product.step(mixer, batch, state, step_out(out, batch, v.dtype, v.device), return_states,
-                            states_out)
+        buf = states_buffer(mixer, batch, states_out, v.device) if return_states or states_out is not None else None
+        return product.step(mixer, batch, state, step_out(out, batch, v.dtype, v.device), return_states, buf)
     whole = state
     if isinstance(state, MixerState):
         state = state.S

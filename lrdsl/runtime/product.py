@@ -14,7 +14,6 @@ import torch
 
 from lrdsl.codegen import product as cp
 from lrdsl.frontend import ir
-from lrdsl.runtime import decode
 from lrdsl.runtime.reference import l2norm, to_torch
 
 
@@ -133,16 +132,15 @@ def run(mixer, method: str, batch, cp_group=None, offsets=None):
     return last(o, n).contiguous(), final
 
 
-def step(mixer, batch, state, out=None, return_states=False, states_out=None):
+def step(mixer, batch, state, out=None, return_states=False, buf=None):
     """Decode: the sub-mixer's step over n sub-tokens per token, the state updated in place (Mixer.step's
-    out, return_states and states_out: the states after each token are the sub-mixer's after its last
-    sub-token)."""
+    out and return_states; buf, checked by the caller before the state moves, gets the states after
+    each token: the sub-mixer's after its last sub-token)."""
     x = sub_inputs(mixer.product_plan, batch.tensors, batch.H, batch.HV)
     q, k, v = x.pop(cp.Q), x.pop(cp.C), x.pop(cp.Z)
     n = mixer.ir.n_steps
     every = None
-    if return_states or states_out is not None:
-        buf = decode.states_buffer(mixer, batch, states_out, v.device)  # checked before the state moves
+    if buf is not None:
         o, sub_every = mixer.product.step(q, k, v, state, batch.scale, return_states=True, **x)
         parts = ({"S": sub_every.S, **sub_every.aux} if hasattr(sub_every, "aux") else {"S": sub_every})
         dest = ({"S": buf.S, **buf.aux} if hasattr(buf, "aux") else {"S": buf})
