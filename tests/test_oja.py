@@ -217,7 +217,7 @@ def test_no_kernel_exponentiates_a_negated_log_decay(mixer):
     negated = re.compile(r"\bexp2?\(\s*-")
     for name in SPECS:
         source = re.sub(r"#.*", "", generate(mixer(name).ir))
-        assert "def recurrent_fwd_kernel" in source and not negated.search(source), name
+        assert "def recurrent_value_kernel" in source and not negated.search(source), name
     code = re.sub(r'#.*|"""[^"]*"""', "", inspect.getsource(valueside))  # comments and docstrings say exp(-g)
     assert not negated.search(code) and not re.search(r"exp\(\s*-\s*\w", code)
 
