@@ -269,14 +269,7 @@ def kernel_times(step, reps: int = 5, between=lambda: None) -> list:
 
 def gpu_ms(step, reps: int = 5, between=lambda: None) -> float:
     """Summed device time of the kernels one step() launches (ms), averaged over reps steps."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(reps):
-            step()
-            between()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in p.key_averages()) / reps / 1000.0
+    return sum(ms for _, ms, _ in kernel_times(step, reps, between))
 
 
 def measure(f, x: dict, s: Shape, backward: bool, per_kernel: bool = False) -> dict:
@@ -454,9 +447,9 @@ DECODE_TWINS = {
 DECODE_TWINS["gated_deltanet_negeig"] = DECODE_TWINS["gated_deltanet"]
 
 
-def graphed(f, warmup: int = 3):
+def capture(f, warmup: int = 3):
     """f captured in a CUDA graph (after warm-up launches on a side stream: compilation, tuning);
-    returns the graph's replay."""
+    returns the graph and what the captured call returned (its static outputs)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -465,8 +458,13 @@ def graphed(f, warmup: int = 3):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        f()
-    return graph.replay
+        out = f()
+    return graph, out
+
+
+def graphed(f, warmup: int = 3):
+    """The replay of f captured in a CUDA graph (capture)."""
+    return capture(f, warmup)[0].replay
 
 
 def decode_row(mixer, B: int, H: int = 16, K: int = 128, V: int = 128, with_twin: bool = True,

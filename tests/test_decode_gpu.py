@@ -12,15 +12,12 @@ import torch
 import torch.nn.functional as F
 
 import lrdsl
+from lrdsl.bench import capture
+from lrdsl.testing import rms_ratio
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")]
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
-
-
-def rms_ratio(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
 def draw(mixer, B, T, H, K, V, seed):
@@ -28,19 +25,6 @@ def draw(mixer, B, T, H, K, V, seed):
     from lrdsl.bench import Shape
     from lrdsl.bench import draw as bench_draw
     return bench_draw(mixer, Shape(B, T, H, K, V), seed=seed)
-
-
-def capture(f, warmup=3):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = f()
-    return graph, out
 
 
 @pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
