@@ -202,6 +202,22 @@ def _as_bool(status: str, yes: str = PROVED):
     return None if status == UNKNOWN else status == yes
 
 
+def _report(eigenvalues: dict, facts: dict, wits: dict, notes: list) -> dict:
+    """check's result: the facts, the witnesses found, and the older flat keys derived from them."""
+    return {
+        "eigenvalues": eigenvalues,
+        "facts": facts,
+        "witnesses": {k: v for k, v in wits.items() if v is not None},
+        "spectral_norm_le_1": facts["spectral_norm_le_1"],
+        "bounded_state": facts["bounded_state"],
+        "counterexample": _legacy_counterexample(wits.get("spectral_norm_le_1")),
+        "negative_eigenvalues": _as_bool(facts["negative_eigenvalues"]),
+        "stable": _as_bool(facts["stable"]),
+        "contraction": _as_bool(facts["spectral_norm_le_1"]),
+        "notes": notes,
+    }
+
+
 def factors(mixer: ir.Mixer) -> tuple:
     """The one-step mixers of a product's factors: the first step (with the decay), then each later
     step's I - a c^T (identity decay); (mixer,) for a one-step spec."""
@@ -251,17 +267,8 @@ def _check_product(mixer: ir.Mixer) -> dict:
                                           "not proved (some factor is not proved a contraction), and no short "
                                           "growing cycle was found."))
     return {
-        "eigenvalues": {"min": -1.0 if contractions else None, "max": 1.0 if contractions else None,
-                        "proved": False},
-        "facts": facts,
-        "witnesses": {k: v for k, v in wits.items() if v is not None},
-        "spectral_norm_le_1": facts["spectral_norm_le_1"],
-        "bounded_state": facts["bounded_state"],
-        "counterexample": _legacy_counterexample(wits.get("spectral_norm_le_1")),
-        "negative_eigenvalues": _as_bool(facts["negative_eigenvalues"]),
-        "stable": _as_bool(facts["stable"]),
-        "contraction": _as_bool(facts["spectral_norm_le_1"]),
-        "notes": notes,
+        **_report({"min": -1.0 if contractions else None, "max": 1.0 if contractions else None, "proved": False},
+                  facts, wits, notes),
         "steps": [{"spectral_norm_le_1": r["facts"]["spectral_norm_le_1"], "stable": r["facts"]["stable"],
                    "eigenvalues": r["eigenvalues"]} for r in parts],
     }
@@ -339,18 +346,7 @@ def check(mixer: ir.Mixer) -> dict:
             notes.append("Bounded state: ||M|| <= 1 is not proved, and no short cycle of admissible tokens "
                          "whose product has spectral radius > 1 was found.")
 
-    out = {
-        "eigenvalues": {"min": _json(eig[0]), "max": _json(eig[1]), "proved": bool(enclosed)},
-        "facts": facts,
-        "witnesses": {k: v for k, v in wits.items() if v is not None},
-        "spectral_norm_le_1": facts["spectral_norm_le_1"],
-        "bounded_state": facts["bounded_state"],
-        "counterexample": _legacy_counterexample(wits.get("spectral_norm_le_1")),
-        "negative_eigenvalues": _as_bool(facts["negative_eigenvalues"]),
-        "stable": _as_bool(facts["stable"]),
-        "contraction": _as_bool(facts["spectral_norm_le_1"]),
-        "notes": notes,
-    }
+    out = _report({"min": _json(eig[0]), "max": _json(eig[1]), "proved": bool(enclosed)}, facts, wits, notes)
     if mixer.solve_lam is not None:
         from lrdsl.checks.cgfacts import cg_fact
         out["solve_well_posed"] = _solve_well_posed(mixer, notes)
@@ -377,14 +373,8 @@ def _check_two_sided(mixer: ir.Mixer) -> dict:
     notes = ["S = M S N + write: vec(S) moves by N^T (x) M, whose eigenvalues are the products of M's and N's "
              "and whose spectral norm is ||M|| ||N||; a fact is proved where M and N both have it."]
     notes += [f"M: {x}" for x in m["notes"]] + [f"N: {x}" for x in n["notes"]]
-    return {
-        "eigenvalues": {"min": _json(eig[0]), "max": _json(eig[1]),
-                        "proved": bool(m["eigenvalues"]["proved"] and n["eigenvalues"]["proved"])},
-        "facts": facts, "witnesses": {}, "spectral_norm_le_1": facts["spectral_norm_le_1"],
-        "bounded_state": facts["bounded_state"], "counterexample": None,
-        "negative_eigenvalues": _as_bool(facts["negative_eigenvalues"]), "stable": _as_bool(facts["stable"]),
-        "contraction": _as_bool(facts["spectral_norm_le_1"]), "notes": notes,
-    }
+    return _report({"min": _json(eig[0]), "max": _json(eig[1]),
+                    "proved": bool(m["eigenvalues"]["proved"] and n["eigenvalues"]["proved"])}, facts, {}, notes)
 
 
 def _growing_cycle(num, step: dict | None):
