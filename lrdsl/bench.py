@@ -192,11 +192,20 @@ def _comba_args(x: dict) -> dict:
 # decay, (exp(g) I - beta k p^T) S + beta k v^T (only its naive_recurrent_comba decays first), so
 # FLA gets p exp(g); its in-kernel norm would undo that scaling: q, k and p are normalised outside
 TWINS["comba"] = ("comba.chunk_comba", _comba_args)
+
+
+def _oja_args(x: dict) -> dict:
+    """chunk_gated_oja_rule's arguments for examples/oja.lr's inputs (see TWINS)."""
+    group = x["v"].shape[2] // x["q"].shape[2]
+    q, k = (t.repeat_interleave(group, 2) if group > 1 else t for t in (x["q"], x["k"]))
+    return dict(q=q, k=k, v=_l2norm(x["v"]), gv=x["gv"], beta=x["beta"], scale=_scale(x))
+
+
 # The gated Oja rule, the value side: S diag(exp(gv)) (I - beta v v^T) + beta k v^T is FLA's
 # recurrence (the state decayed per value channel, then k - S v, times beta, written along v); FLA
-# does not normalise v, so it gets the spec's unit v in the call
-TWINS["oja"] = ("gated_oja_rule.chunk_gated_oja_rule", lambda x: dict(
-    q=x["q"], k=x["k"], v=_l2norm(x["v"]), gv=x["gv"], beta=x["beta"], scale=_scale(x)))
+# does not normalise v, so it gets the spec's unit v in the call. Its chunk op (fla-core 0.6.0) gives
+# o q's heads and groups q heads over k's, not value heads over q and k: those are repeated to HV
+TWINS["oja"] = ("gated_oja_rule.chunk_gated_oja_rule", _oja_args)
 
 
 def _steps(x: dict, names: tuple):
