@@ -9,7 +9,7 @@ On the device machine: BUDGET=540 benchmarks/device/twins_rwkv.sh (benchmarks/de
 
 FLA counts with the faster of two calls, per figure, and the memory of that call: its op with the
 arguments made from lrdsl's inputs inside the timed call (`lrdsl bench`'s twin: the normalised
-directions, beta*b, -kk and kk*a, its in-kernel norm for comba: what a user of FLA pays), and (*)
+directions, beta*b, -kk and kk*a, comba's p exp(g): what a user of FLA pays), and (*)
 its op alone on arguments made beforehand, every normalisation done outside. A last row per shape
 (unless --no-bounded) times rwkv7 on decays in RWKV-7's own range, w = -0.6 sigmoid(x), with FLA
 told that bound (lower_bound=-0.6, which licenses its 64-token chunks and tensor-core scheme, off by

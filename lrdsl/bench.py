@@ -177,16 +177,35 @@ TWINS["dplr"] = ("generalized_delta_rule.chunk_dplr_delta_rule", lambda x: dict(
     q=x["q"], k=x["k"], v=x["v"], a=_l2norm(x["a"]), b=_gated_b(x), gk=x["gk"], scale=_scale(x)))
 TWINS["iplr"] = ("generalized_delta_rule.chunk_iplr_delta_rule", lambda x: {
     ("q" if n == "r" else n): t for n, t in _rwkv7_args(dict(x, w=None)).items() if n != "w"})
-# Comba: (I - beta k p^T) exp(g) S + beta k v^T is FLA's recurrence (v - S^T p, times beta, written
-# along k); its in-kernel norm normalises p with q and k
-TWINS["comba"] = ("comba.chunk_comba", lambda x: dict(
-    q=x["q"], k=x["k"], v=x["v"], p=x["p"], g=x["g"], beta=x["beta"], scale=_scale(x),
-    use_qk_l2norm_in_kernel=True))
+
+
+def _comba_args(x: dict) -> dict:
+    """chunk_comba's arguments for examples/comba.lr's inputs (see TWINS)."""
+    unit = (lambda t: t) if x.get(PRENORMALISED) else _l2norm
+    p = (unit(x["p"]).float() * x["g"].float().exp()[..., None]).to(x["p"].dtype)
+    return dict(q=unit(x["q"]), k=unit(x["k"]), v=x["v"], p=p, g=x["g"], beta=x["beta"], scale=_scale(x),
+                use_qk_l2norm_in_kernel=False)
+
+
+# Comba, (I - beta k p^T) exp(g) S + beta k v^T: FLA's kernels (fla-core 0.6.0 chunk_comba and
+# fused_recurrent_comba, and its naive_chunk_comba) read p against the state before the token's
+# decay, (exp(g) I - beta k p^T) S + beta k v^T (only its naive_recurrent_comba decays first), so
+# FLA gets p exp(g); its in-kernel norm would undo that scaling: q, k and p are normalised outside
+TWINS["comba"] = ("comba.chunk_comba", _comba_args)
+
+
+def _oja_args(x: dict) -> dict:
+    """chunk_gated_oja_rule's arguments for examples/oja.lr's inputs (see TWINS)."""
+    group = x["v"].shape[2] // x["q"].shape[2]
+    q, k = (t.repeat_interleave(group, 2) if group > 1 else t for t in (x["q"], x["k"]))
+    return dict(q=q, k=k, v=_l2norm(x["v"]), gv=x["gv"], beta=x["beta"], scale=_scale(x))
+
+
 # The gated Oja rule, the value side: S diag(exp(gv)) (I - beta v v^T) + beta k v^T is FLA's
 # recurrence (the state decayed per value channel, then k - S v, times beta, written along v); FLA
-# does not normalise v, so it gets the spec's unit v in the call
-TWINS["oja"] = ("gated_oja_rule.chunk_gated_oja_rule", lambda x: dict(
-    q=x["q"], k=x["k"], v=_l2norm(x["v"]), gv=x["gv"], beta=x["beta"], scale=_scale(x)))
+# does not normalise v, so it gets the spec's unit v in the call. Its chunk op (fla-core 0.6.0) gives
+# o q's heads and groups q heads over k's, not value heads over q and k: those are repeated to HV
+TWINS["oja"] = ("gated_oja_rule.chunk_gated_oja_rule", _oja_args)
 
 
 def _steps(x: dict, names: tuple):

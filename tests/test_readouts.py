@@ -31,6 +31,18 @@ def mixed():
     return lrdsl.compile(text=MIXED)
 
 
+@pytest.mark.parametrize("cu", [None, (0, 4, 9), (0, 0, 3, 3, 9), (0, 1, 9), (0, 9, 9)])
+def test_shift_next_moves_each_token_to_the_next_within_its_sequence(cu):
+    """Token t holds token t + 1's value; the last token of each sequence keeps its own, also the
+    batch's last (once set by an index written from the host, refused in a CUDA graph's capture)."""
+    from lrdsl.runtime.readouts import shift_next
+    x = torch.randn(2, 9, 3, 4, generator=torch.Generator().manual_seed(len(cu or ())))
+    ends = [9] if cu is None else [e for s, e in zip(cu, cu[1:]) if e > s]
+    want = torch.stack([x[:, t + 1] if t + 1 not in ends else x[:, t] for t in range(9)], 1)
+    got = shift_next(x, None if cu is None else torch.tensor(cu, dtype=torch.int32))
+    assert torch.equal(got, want)
+
+
 def test_the_readout_lowers_and_prints_back():
     m = spec_to_ir(MIXED)
     assert m.reads_before and m.query != 0 and m.query_prev != 0 and len(m.bonus) == 2

@@ -58,6 +58,16 @@ def test_reference_equals_fla_recurrent(oja, case_id):
     assert eo < NAIVE_TOL and eS < NAIVE_TOL, (eo, eS)
 
 
+def test_grouped_values_reach_fla_with_one_head_count(oja):
+    """FLA's chunk op (fla-core 0.6.0, GPU only) gives o q's heads and groups q heads over k's: at
+    HV = 2H bench's arguments repeat q and k to HV heads (the -m gpu test below once got o of H
+    heads); test_reference_equals_fla_recurrent[grouped-HV4-H2] runs FLA's loop on them."""
+    x, opts = draw_inputs(oja, CASES["grouped-HV4-H2"])
+    kw = TWINS["oja"][1](dict(x))
+    assert [kw[n].shape[2] for n in ("q", "k", "v", "gv", "beta")] == [4] * 5
+    assert torch.equal(kw["q"][:, :, 2:4], x["q"][:, :, 1:2].expand(-1, -1, 2, -1))
+
+
 def test_a_wrong_mapping_is_caught(oja):
     """The comparison sees the other order: the erase reading the rows before the decay,
     S (I - beta v v^T) diag(exp(gv)), is far from FLA's loop on the same inputs."""

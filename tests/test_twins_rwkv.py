@@ -4,7 +4,9 @@ gives FLA's chunk ops (lrdsl/bench.py TWINS). So the float64 reference checks th
 which of a and b reads the state, scale, normalisation, log-decays), and the chunked kernels (fp32,
 Triton's interpreter) check against an implementation written by others.
 
-FLA's naive loops compute in float32 whatever they are given, hence 1e-5 against the reference."""
+FLA's naive loops compute in float32 whatever they are given, hence 1e-5 against the reference.
+Comba's is FLA's naive_chunk_comba, the function of its chunk and fused recurrent kernels (its
+naive_recurrent_comba is another: test_flas_comba_kernels_read_p_before_the_decay)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,13 +52,13 @@ def fla_naive(name: str, x: dict, h0: torch.Tensor):
         o, S = naive_recurrent_rwkv6(*map(bhtd, (kw["r"], kw["k"], kw["v"], kw["w"])), kw["u"].float(),
                                      scale=kw["scale"], initial_state=h0, output_final_state=True)
         return o.transpose(1, 2), S
-    if op == "comba.chunk_comba":
-        from fla.ops.comba.naive import naive_recurrent_comba
+    if op == "comba.chunk_comba":  # the chunked loop: the function of FLA's comba kernels (see TWINS)
+        from fla.ops.comba.naive import naive_chunk_comba
         q, k, p = kw["q"], kw["k"], kw["p"]
         if kw["use_qk_l2norm_in_kernel"]:
             q, k, p = l2(q), l2(k), l2(p)
-        return naive_recurrent_comba(q, k, kw["v"], p, kw["beta"], kw["g"], scale=kw["scale"],
-                                     initial_state=h0, output_final_state=True)
+        return naive_chunk_comba(q, k, kw["v"], p, kw["g"], kw["beta"], scale=kw["scale"], initial_state=h0,
+                                 output_final_state=True)
     # the generalized delta rule's loops scale q by K^-0.5 themselves: the op's scale is put in q
     q = kw["r"] if op == "rwkv7.chunk_rwkv7" else kw["q"]
     q = q.double() * kw["scale"] * q.shape[-1] ** 0.5
@@ -102,6 +104,23 @@ def test_a_wrong_mapping_is_caught(mixers):
         TWINS["rwkv7"] = (op, args)
     o_fla, _ = fla_naive("rwkv7", x, opts["initial_state"])
     assert rms_ratio(o_swapped, o_fla) > 100 * NAIVE_TOL
+
+
+def test_flas_comba_kernels_read_p_before_the_decay(mixers):
+    """fla-core 0.6.0's two comba loops differ: naive_recurrent_comba is the spec, (I - beta k p^T)
+    exp(g) S + beta k v^T, on unit q, k, p; naive_chunk_comba (as its kernels) is (exp(g) I -
+    beta k p^T) S + beta k v^T there, and the spec again with p scaled by exp(g), as bench gives it."""
+    from fla.ops.comba.naive import naive_chunk_comba, naive_recurrent_comba
+    mixer = mixers("comba")
+    x, opts = draw_inputs(mixer, Case(B=2, T=13, H=2, HV=2, K=8, V=6, initial_state=True, seed=3))
+    ref, _ = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=opts["initial_state"].double())
+    q, k, p = l2(x["q"]), l2(x["k"]), l2(x["p"])
+    common = dict(scale=x["q"].shape[-1] ** -0.5, initial_state=opts["initial_state"])
+    o_rec, _ = naive_recurrent_comba(q, k, x["v"], p, x["beta"], x["g"], **common)
+    o_chunk, _ = naive_chunk_comba(q, k, x["v"], p, x["g"], x["beta"], **common)
+    o_scaled, _ = naive_chunk_comba(q, k, x["v"], p * x["g"].exp()[..., None], x["g"], x["beta"], **common)
+    assert rms_ratio(o_rec, ref) < NAIVE_TOL and rms_ratio(o_scaled, ref) < NAIVE_TOL
+    assert rms_ratio(o_chunk, ref) > 100 * NAIVE_TOL
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -206,7 +225,12 @@ def test_chunk_and_its_gradients_equal_fla_naive(mixers, name):
 # ---- GPU: lrdsl's chunk beside FLA's chunk op, bf16, K = V = 128 ---------------------------------
 # (LRDSL_TEST_DEVICE=cuda pytest -m gpu tests/test_twins_rwkv.py, on the device machine)
 TWIN_TOL = 1e-2  # test_gpu.py's for an FLA twin against the reference (forward)
+# comba at deba6ca (H100, 2026-12-06) failed it with o FLA 1.4e-2, dp FLA 1.1e-1: not bf16 but another
+# function (p unscaled, see bench.TWINS; in fp32 on the CPU 2.3e-2, and 2.3e-7 with p exp(g))
 FWD_TOL, QKV_TOL, GATE_TOL = 5e-3, 8e-3, 2e-2  # test_gpu.py's for lrdsl: forward, gradients of q k v, others
+# FLA ops with no backward (fla-core 0.6.0: chunk_iplr_delta_rule's raises NotImplementedError): FLA's
+# forward is compared, lrdsl's gradients against the float64 reference only
+FLA_FORWARD_ONLY = {"generalized_delta_rule.chunk_iplr_delta_rule"}
 
 
 def _fla_refuses_its_backward(op: str) -> bool:
@@ -223,8 +247,9 @@ def _fla_refuses_its_backward(op: str) -> bool:
 def test_chunk_beside_fla_chunk_gpu(mixers, name):
     """On the inputs `lrdsl bench` draws (bf16, log-decays fp32) at B=2 T=2048 H=4 K=V=128: lrdsl's
     chunk and FLA's chunk op through bench's twin, forward and the gradients of every input, each
-    against the float64 reference and against each other. The pre-normalised run bench also times
-    (comba: q, k and p normalised outside, FLA's norm off) computes the same."""
+    against the float64 reference and against each other (of FLA_FORWARD_ONLY, FLA's forward only).
+    The pre-normalised run bench also times (comba: q, k and p normalised outside, FLA's norm off)
+    computes the same."""
     from lrdsl.bench import Shape, _prenormalisable, _unit, draw, twin
     mixer = mixers(name)
     op, run = twin(mixer)
@@ -239,12 +264,17 @@ def test_chunk_beside_fla_chunk_gpu(mixers, name):
 
     ref_o, ref_g = grads(lambda t: mixer.reference(**t)[0], torch.float64)
     o, g = grads(lambda t: mixer.chunk(**t)[0])
-    o_fla, g_fla = grads(run)
+    if op in FLA_FORWARD_ONLY:
+        with torch.no_grad():
+            o_fla, g_fla = run(x), None
+    else:
+        o_fla, g_fla = grads(run)
     err = {"o": rms_ratio(o, ref_o), "o FLA": rms_ratio(o_fla, ref_o), "o vs FLA": rms_ratio(o, o_fla)}
     for n in ref_g:
         err["d" + n] = rms_ratio(g[n], ref_g[n])
-        err["d" + n + " FLA"] = rms_ratio(g_fla[n], ref_g[n])
-        err["d" + n + " vs FLA"] = rms_ratio(g[n], g_fla[n])
+        if g_fla is not None:
+            err["d" + n + " FLA"] = rms_ratio(g_fla[n], ref_g[n])
+            err["d" + n + " vs FLA"] = rms_ratio(g[n], g_fla[n])
     if _prenormalisable(mixer):
         xn = dict(x, **{i.name: _unit(x[i.name]) for i in mixer.ir.inputs if i.l2norm})
         err["o FLA pre-normalised"] = rms_ratio(run(xn, prenormalised=True), ref_o)
@@ -253,5 +283,5 @@ def test_chunk_beside_fla_chunk_gpu(mixers, name):
     assert err.get("o FLA pre-normalised", 0.0) < TWIN_TOL, err
     for n in ref_g:
         assert err["d" + n] < (QKV_TOL if n in ("q", "k", "v") else GATE_TOL), (n, err)
-        if not _fla_refuses_its_backward(op):
+        if g_fla is not None and not _fla_refuses_its_backward(op):
             assert err["d" + n + " FLA"] < GATE_TOL and err["d" + n + " vs FLA"] < GATE_TOL, (n, err)

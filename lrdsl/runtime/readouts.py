@@ -16,13 +16,13 @@ def shift_next(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor
     sequence keeps its own (any in-range value will do: the output read there is dropped)."""
     T = x.shape[1]
     idx = torch.arange(1, T + 2, device=x.device)  # one slot past the end, for empty sequences
-    if cu_seqlens is None:
-        idx[T - 1] = T - 1
-    else:
+    if cu_seqlens is not None:
         cu = cu_seqlens.long()
         # an empty sequence has no last token (at offset 0, cu - 1 would be -1): it writes the spare slot
         last = torch.where(cu[1:] > cu[:-1], cu[1:] - 1, torch.full_like(cu[1:], T))
         idx = idx.scatter(0, last, last)
+    # the clamp keeps the batch's last token at its own: no index written from the host, which in a
+    # CUDA graph's capture is a refused host-to-device copy
     return x.index_select(1, idx[:T].clamp(max=max(T - 1, 0)))
 
 
