@@ -302,14 +302,16 @@ def cmd_show(args) -> int:
 def kernels_text(m) -> str:
     """Which kernels `chunk` runs for mixer IR m, and why (the `# kernels` section of `lrdsl show`)."""
     if m.steps:
-        from lrdsl.codegen.product import sub_ir
+        from lrdsl.codegen.product import direct, sub_ir
         from lrdsl.frontend import printer
-        sub = sub_ir(m)
+        sub, d = sub_ir(m), direct(m)
         update = next(line for line in printer.explicit(sub).splitlines() if line.startswith("S = "))
         first, rest = kernels_text(sub).split("\n", 1)
+        reads = (f"k and v the spec's {', '.join(d.keys)} and {', '.join(d.values)} as they come, beta "
+                 f"{', '.join(map(str, d.gains))}" if d else "each step's vectors, computed in PyTorch (float32)")
         return (f"{first}\n           of the one-step sub-mixer, on {m.n_steps} sub-tokens per token (the {m.n_steps} "
                 f"steps; lrdsl/codegen/product.py):\n           {update}, the log-decay g on the first "
-                "sub-token, o read at the last\n" + rest)
+                f"sub-token, o read at the last;\n           its inputs: {reads}\n" + rest)
     decode = "recurrent  token by token, one launch (templates/{}recurrent.py.jinja): the decode path\n"
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")

@@ -52,6 +52,25 @@ def test_nested_form_parses_into_steps_and_prints_back():
     assert update.count("(I - ") == 3 and update.endswith("(b3*k3) v3^T")
 
 
+def test_delta_rule_steps_on_plain_inputs_take_the_direct_sub_mixer():
+    """Delta-rule steps on the spec's own keys and values run the gated delta rule on them (only the
+    gains are computed around the kernels); an erase along another direction, a clamped value or a
+    step without erase takes the per-step vectors. Every path test here runs both kinds."""
+    from lrdsl.codegen.product import direct, sub_ir
+    m = spec_to_ir((EXAMPLES / "delta_product3.lr").read_text())
+    d = direct(m)
+    assert (d.query, d.keys, d.values, tuple(map(str, d.gains))) == ("q", ("k", "k2", "k3"), ("v", "v2", "v3"),
+                                                                      ("b1", "b2", "b3"))
+    sub = sub_ir(m)
+    assert [i.name for i in sub.inputs] == ["q", "k", "v", "beta", "g"]
+    assert [i.l2norm for i in sub.inputs[:3]] == [True, True, False]
+    assert direct(spec_to_ir(KDA_PRODUCT)) is None and "w" in [i.name for i in sub_ir(spec_to_ir(KDA_PRODUCT)).inputs]
+    clamped = BASE.replace("v2[V]", "v2[V] in (-1, 1)") + "S = (I - b2 k2 k2^T) ((I - b1 k k^T) exp(g) S + b1 k v^T) + b2 k2 v2^T\no = S^T q\n"
+    assert direct(spec_to_ir(clamped)) is None
+    no_erase = BASE + "S = (I - b2 k2 k2^T) (exp(g) S + b1 k v^T) + b2 k2 v2^T\no = S^T q\n"
+    assert direct(spec_to_ir(no_erase)) is None
+
+
 def _error(text: str) -> SpecError:
     with pytest.raises(SpecError) as e:
         spec_to_ir(text)

@@ -31,6 +31,8 @@ class Plan:
     log_decay: object
     decay_kind: str | None
     separate: bool
+    direct: tuple | None = None  # (query, keys, values, gains as functions, inputs they and the
+    # log-decay read) of codegen.product.direct
 
 
 def _bound(x, on: bool):
@@ -42,10 +44,17 @@ def plan_of(m: ir.Mixer, sub: ir.Mixer) -> Plan:
                 for i in m.inputs)
     params = tuple((p.name, p.kind, _bound(p.lo, True), _bound(p.hi, True)) for p in m.params)
     kind = None if m.decay.kind == "identity" else "K" if m.decay.kind == "diagonal" else "scalar"
+    d = cp.direct(m)
+    if d is not None:
+        read = set().union(*(b.free_symbols for b in d.gains))
+        if kind is not None:
+            read |= m.log_decay().free_symbols
+        d = (d.query, d.keys, d.values, tuple(to_torch(b) for b in d.gains),
+             frozenset(x.name for x in read) & {i.name for i in m.inputs})
     return Plan(ins, params, tuple((lt.name, to_torch(lt.expr)) for lt in m.lets),
                 tuple(tuple(to_torch(e) for e in s) for s in cp.steps_of(m)), to_torch(m.query),
                 None if kind is None else to_torch(m.log_decay()), kind,
-                any(i.name == cp.U for i in sub.inputs))
+                any(i.name == cp.U for i in sub.inputs), d)
 
 
 def _clamp(x, lo, hi):
@@ -57,13 +66,16 @@ def _clamp(x, lo, hi):
     return x
 
 
-def environment(plan: Plan, tensors: dict, H: int, HV: int, dtype) -> dict:
+def environment(plan: Plan, tensors: dict, H: int, HV: int, dtype, only=None) -> dict:
     """Every input (clamped, repeated over value heads, normalised), param, let and h, in dtype:
-    [B, T, HV, K|V|1], as the reference prepares them."""
+    [B, T, HV, K|V|1], as the reference prepares them; with `only`, those inputs, every param and h,
+    no lets (what the direct form's gains and log-decay read)."""
     q = tensors["q"]
     B, T = q.shape[:2]
     env = {}
     for name, kind, shared, norm, lo, hi in plan.inputs:
+        if only is not None and name not in only:
+            continue
         x = _clamp(tensors[name].to(dtype), lo, hi)
         if shared and HV > H:
             x = x.repeat_interleave(HV // H, dim=2)
@@ -74,7 +86,7 @@ def environment(plan: Plan, tensors: dict, H: int, HV: int, dtype) -> dict:
         x = _clamp(tensors[name].to(dtype), lo, hi)
         env[name] = x.reshape(1, 1, HV, -1).expand(B, T, HV, 1 if kind == "scalar" else x.shape[-1])
     env["h"] = torch.arange(HV, device=q.device, dtype=dtype).view(1, 1, HV, 1)
-    for name, f in plan.lets:
+    for name, f in plan.lets if only is None else ():
         env[name] = f(env)
     return env
 
@@ -90,6 +102,8 @@ def sub_inputs(plan: Plan, tensors: dict, H: int, HV: int) -> dict:
     q's dtype; the log-decay in float32 (float64 for float64 inputs)."""
     q = tensors["q"]
     low = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if plan.direct is not None:
+        return _direct_inputs(plan, tensors, H, HV, low)
     env = environment(plan, tensors, H, HV, low)
     B, T = q.shape[:2]
     shape = {"K": (B, T, HV, q.shape[-1]), "V": (B, T, HV, tensors["v"].shape[-1]), "scalar": (B, T, HV, 1)}
@@ -105,11 +119,43 @@ def sub_inputs(plan: Plan, tensors: dict, H: int, HV: int) -> dict:
     if plan.separate:
         out[cp.U] = interleave([ev(u, "K") for _, _, u, _ in plan.steps])
     out = {name: x.to(q.dtype) for name, x in out.items()}
+    return _with_decay(out, plan, ev, n)
+
+
+def _with_decay(out: dict, plan: Plan, ev, n: int) -> dict:
+    """The log-decay at the first sub-token of each token, 0 at the others."""
     if plan.decay_kind is not None:
         g = ev(plan.log_decay, plan.decay_kind)
         g = interleave([g] + [torch.zeros_like(g)] * (n - 1))
         out[cp.G] = g if plan.decay_kind == "K" else g[..., 0]
     return out
+
+
+def _direct_inputs(plan: Plan, tensors: dict, H: int, HV: int, low) -> dict:
+    """The direct form's sub-inputs: the spec's query (at every sub-token: o is read at the last),
+    keys and values interleaved as they come (the kernels clamp nothing here and normalise what
+    the spec normalises), the gains [B, n T, HV] and the log-decay computed in `low`."""
+    query, keys, values, gains, read = plan.direct
+    shared = {name for name, _, sh, *_ in plan.inputs if sh}
+    q = tensors[query]
+    B, T = q.shape[:2]
+    env = environment(plan, tensors, H, HV, low, only=read)
+    n = len(keys)
+    kdim = q.shape[-1]
+
+    def ev(f, kind):
+        shape = (B, T, HV, kdim if kind == "K" else 1)
+        return torch.as_tensor(f(env), dtype=low, device=q.device).expand(shape)
+
+    def group(names):  # all shared, or each at HV heads
+        xs = [tensors[x] for x in names]
+        if HV == H or all(x in shared for x in names):
+            return interleave(xs)
+        return interleave([x.repeat_interleave(HV // H, dim=2) if name in shared else x for name, x in zip(names, xs)])
+
+    out = {cp.Q: interleave([q] * n), cp.C: group(keys), cp.Z: group(values),
+           cp.BETA: interleave([ev(b, "scalar")[..., 0] for b in gains]).to(q.dtype)}
+    return _with_decay(out, plan, ev, n)
 
 
 def last(o: torch.Tensor, n: int) -> torch.Tensor:
