@@ -102,7 +102,8 @@ FWD_TOL, QKV_TOL, GATE_TOL, TWIN_TOL = 5e-3, 8e-3, 2e-2, 1e-2  # test_gpu.py's
 def test_chunk_beside_fla_chunk_gpu(oja):
     """bf16 inputs (gv fp32) at B=1 T=1000 H=2 HV=4 K=V=128, gv at -1e4 and -inf on single tokens
     and -inf on a 16-token block: lrdsl's chunk forward and the gradients of every input, and
-    recurrent, against the float64 reference; FLA's chunk op against it too (forward)."""
+    recurrent, against the float64 reference; FLA's chunk op against it too (forward), on the same
+    inputs without the strong decays."""
     from fla.ops.gated_oja_rule import chunk_gated_oja_rule
     B, T, H, HV, K, V = 1, 1000, 2, 4, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -111,6 +112,8 @@ def test_chunk_beside_fla_chunk_gpu(oja):
          "v": torch.randn(B, T, HV, V, generator=gen, device="cuda").bfloat16(),
          "gv": torch.nn.functional.logsigmoid(torch.randn(B, T, HV, V, generator=gen, device="cuda") + 3),
          "beta": torch.rand(B, T, HV, generator=gen, device="cuda").bfloat16()}
+    plain = dict(x)  # FLA's domain: its chunk op gave nan on the strong decays below (H100, 2026-12-06)
+    x["gv"] = x["gv"].clone()
     x["gv"][0, 100] = -1e4
     x["gv"][0, 555] = float("-inf")
     x["gv"][0, 704:720] = float("-inf")
@@ -125,9 +128,10 @@ def test_chunk_beside_fla_chunk_gpu(oja):
             **{"d" + n: rms_ratio(leaves[n].grad, ref_leaves[n].grad) for n in x}}
     with torch.no_grad():
         o_r, s_r = oja.recurrent(**x, output_final_state=True)
-        o_f, _ = chunk_gated_oja_rule(**TWINS["oja"][1](x), output_final_state=True)
+        o_f, _ = chunk_gated_oja_rule(**TWINS["oja"][1](plain), output_final_state=True)
+        ref_plain, _ = oja.reference(**{n: t.double() for n, t in plain.items()})
     errs.update({"recurrent o": rms_ratio(o_r, ref_o), "recurrent S": rms_ratio(s_r, ref_s),
-                 "fla o": rms_ratio(o_f, ref_o)})
+                 "fla o": rms_ratio(o_f, ref_plain)})
     limit = lambda n: (TWIN_TOL if n.startswith("fla") else FWD_TOL if n in ("o", "S") or " " in n
                        else QKV_TOL if n in ("dq", "dk", "dv") else GATE_TOL)
     bad = {n: e for n, e in errs.items() if not e < limit(n)}
