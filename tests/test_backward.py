@@ -596,12 +596,14 @@ o = S^T qa
 
 
 def test_chain_at_dr_only_where_q_alone_reads_r():
-    """plan.chain_at_dr: the five examples whose staged_dk ends in the chain rule make q's gradient
-    where r's is made; a query gated by another input keeps r's gradient in memory."""
+    """plan.chain_at_dr: the examples whose staged_dk ends in the chain rule make q's gradient where
+    r's is made (DeltaProduct's through its direct sub-mixer, whose query is the spec's q); a query
+    gated by another input keeps r's gradient in memory."""
     from lrdsl.codegen.plan import plan
     at = {p.stem: plan(rendered_ir(p)).chain_at_dr for p in EXAMPLES}
     assert {s: l.name for s, l in at.items() if l} == {s: "q" for s in (
-        "deltanet", "gated_deltanet", "gated_deltanet_gates", "gated_deltanet_negeig", "comba")}, at
+        "deltanet", "gated_deltanet", "gated_deltanet_gates", "gated_deltanet_negeig", "comba",
+        "delta_product2", "delta_product3")}, at
     gated = plan(lrdsl.compile(text=GATED_QUERY, load_kernels=False).ir)
     assert gated.chain_in_dk and gated.chain_at_dr is None
 
@@ -647,7 +649,8 @@ def test_stage_three_takes_three_launches_with_an_erase(split, monkeypatch):
                                                           "channel_gates_scalar_decay", "comba",
                                                           "delta_product2", "delta_product3"}, plans
     assert {s for s, p in plans.items() if p.split_dr} == {"gated_deltanet", "gated_deltanet_gates",
-                                                          "gated_deltanet_negeig", "comba"}
+                                                          "gated_deltanet_negeig", "comba",
+                                                          "delta_product2", "delta_product3"}
     if not split:
         def one_launch(m):
             p = plan(m)
