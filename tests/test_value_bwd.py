@@ -8,6 +8,8 @@ End to end (the inputs' gradients through per_token) against the reference, and 
 longer going through torch_chunk."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_dplr import against_reference, failing, tiered
@@ -17,6 +19,7 @@ import lrdsl
 from lrdsl.runtime import valueside
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # name -> (the inputs besides q, k, v, beta; N as written after S; decay kind; order of its erase)
 SPECS = {
     "oja": ("w[V] log", "diag(exp(w)) (I - beta v v^T)", "diagonal", "right"),
@@ -44,7 +47,8 @@ _MIXERS = {}
 
 def mixer(name):
     if name not in _MIXERS:
-        _MIXERS[name] = lrdsl.compile(text=spec_text(name), check_stability=False)
+        _MIXERS[name] = (lrdsl.compile(EXAMPLES / "oja.lr", check_ranges=False) if name == "oja_example" else
+                         lrdsl.compile(text=spec_text(name), check_stability=False))
     return _MIXERS[name]
 
 
@@ -179,3 +183,31 @@ def test_backward_does_not_run_torch_chunk(monkeypatch):
     o, s = m.chunk(**leaves, **dict(opts, initial_state=h0, output_final_state=True))
     (o.sum() + s.sum()).backward()
     assert all(torch.isfinite(t.grad).all() for t in (*leaves.values(), h0))
+
+
+@pytest.mark.parametrize("bad", tiered(["gv-nan", "beta-nan", "v-inf", "k-nan"], ["gv-nan"]))
+def test_nonfinite_input_leaves_earlier_gradients(bad):
+    """A nan or inf in one input at token 37 (inside a chunk): every input's gradient at the tokens
+    before it, of a loss on the outputs before it, is the float64 reference's on those tokens alone
+    (the backward runs on finite copies: a bad decay or erase at token 37 would otherwise carry nan
+    to every earlier token through the state's gradient)."""
+    m = mixer("oja_example")
+    row = 37
+    x, opts = draw_inputs(m, Case(B=1, T=60, H=1, HV=1, K=8, V=8, initial_state=True, seed=6), DEVICE)
+    name, value = {"gv-nan": ("gv", float("nan")), "beta-nan": ("beta", float("nan")),
+                   "v-inf": ("v", float("inf")), "k-nan": ("k", float("nan"))}[bad]
+    x[name] = x[name].clone()
+    x[name][0, row] = value
+    do = torch.randn(1, row, 1, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, _ = m.chunk(**leaves, **opts)
+    (torch.nan_to_num(o[:, :row], nan=0.0, posinf=0.0, neginf=0.0) * do.float()).sum().backward()
+    early = {n: t[:, :row].double().requires_grad_() for n, t in x.items()}
+    h0 = opts["initial_state"].double()
+    ref_o, _ = m.reference(**early, **dict(opts, initial_state=h0))
+    (ref_o * do).sum().backward()
+    for n in x:
+        got, ref = leaves[n].grad[:, :row], early[n].grad
+        assert torch.isfinite(got).all(), f"{bad}: d{n} not finite before token {row}"
+        assert rms_ratio(got, ref) < (TOL if n in ("q", "k", "v") else 10 * TOL), (bad, n, rms_ratio(got, ref))
+    assert torch.isnan(leaves[name].grad[0, row]).all()

@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from lrdsl.frontend import ir
+from lrdsl.runtime import nonfinite
 from lrdsl.runtime.reference import prepare_inputs, to_torch
 from lrdsl.runtime.tensors import Batch, compute_dtype
 
@@ -187,8 +188,15 @@ class ChunkFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         h0 = saved.pop() if ctx.has_h0 else None
         b = ctx.b
+        # finite copies of the inputs (runtime/nonfinite.py): a bad entry's nan would reach every
+        # earlier token through the reverse pass's products; its own gradient is nan
+        if nonfinite.MODE == "device":
+            finite, flags = nonfinite.device_copies(ctx.m, ctx.names, saved)
+        else:
+            masks = nonfinite.bad_entries(ctx.m, ctx.names, saved)
+            finite = saved if masks is None else nonfinite.finite_copies(ctx.m, ctx.names, saved, masks)
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+            leaves = [f.detach().requires_grad_(t.requires_grad) for f, t in zip(finite, saved)]
             p = per_token(ctx.m, dataclasses.replace(b, tensors=dict(zip(ctx.names, leaves))), compute_dtype(b))
         vec = {n: p[n].detach().to(torch.float32).contiguous() for n in VECTORS}
         h0f = None if h0 is None else h0.detach().to(torch.float32).contiguous()
@@ -199,6 +207,10 @@ class ChunkFunction(torch.autograd.Function):
         dx = iter(torch.autograd.grad([o for o, _ in outs], want, [g for _, g in outs], allow_unused=True)
                   if outs and want else [None] * len(want))
         grads = [next(dx) if t.requires_grad else None for t in leaves]
+        if nonfinite.MODE == "device":
+            grads = nonfinite.device_nan_at(ctx.m, ctx.names, saved, grads, flags)
+        elif masks is not None:
+            grads = nonfinite.nan_at(grads, masks)
         dh0 = dh0.to(h0.dtype) if h0 is not None and h0.requires_grad else None
         return (None, None, None, None, dh0, *grads)
 
