@@ -47,12 +47,16 @@ def test_oja_backward_packed_grouped_bf16(block_inf):
         assert e < (QKV_TOL if n in ("q", "k", "v", "h0") else GATE_TOL), (n, e)
 
 
+@pytest.mark.parametrize("BT", [16, 64])
 @pytest.mark.parametrize("BK", [32, 64, 128])
-def test_oja_backward_time_and_memory(BK, monkeypatch):
+def test_oja_backward_time_and_memory(BK, BT, monkeypatch):
     """Forward and backward at the benchmark's shape for each key tile (VALUE_BWD_BK: more programs
-    against more partial sums), time and extra memory printed for choosing the default."""
+    against more partial sums) and checkpoint spacing (VALUE_BWD_BT: the scratch, BT x 4 MiB over
+    all programs here, fits in L2 at small BT, against checkpoints of 4 GiB / BT), time and extra
+    memory printed for choosing the defaults."""
     mixer = lrdsl.compile(OJA)
     monkeypatch.setattr(mixer.kernels, "VALUE_BWD_BK", BK)
+    monkeypatch.setattr(mixer.kernels, "VALUE_BWD_BT", BT)
     B, T, H, K, V = 4, 4096, 16, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = {n: t.requires_grad_() for n, t in draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen).items()}
@@ -73,7 +77,7 @@ def test_oja_backward_time_and_memory(BK, monkeypatch):
     end.record()
     torch.cuda.synchronize()
     extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    print(f"oja chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BK={BK}: {start.elapsed_time(end) / 3:.1f} ms, "
+    print(f"oja chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BK={BK} BT={BT}: {start.elapsed_time(end) / 3:.1f} ms, "
           f"{extra:.2f} GiB extra ({torch.cuda.get_device_name()})")
-    # estimate at BK=32: per-tile partials 2.1 GiB, the vectors and their graph ~1.5, checkpoints 0.27
+    # estimate at BK=32 BT=16: per-tile partials 2.1 GiB, the vectors and their graph ~1.5, checkpoints 1
     assert extra < 6.0
