@@ -52,7 +52,7 @@ def test_oja_backward_packed_grouped_bf16(block_inf):
 def test_oja_backward_time_and_memory(BK, BT, monkeypatch):
     """Forward and backward at the benchmark's shape for each key tile (VALUE_BWD_BK: more programs
     against more partial sums) and checkpoint spacing (VALUE_BWD_BT: the scratch, BT x 4 MiB over
-    all programs here, fits in L2 at small BT, against checkpoints of 4 GiB / BT), time and extra
+    all programs here, fits in L2 at small BT, against checkpoints of 16 GiB / BT), time and extra
     memory printed for choosing the defaults."""
     mixer = lrdsl.compile(OJA)
     monkeypatch.setattr(mixer.kernels, "VALUE_BWD_BK", BK)
