@@ -78,11 +78,13 @@ def loop64(p, h0, sequences):
     return torch.stack(outs), torch.stack(finals)
 
 
-def check_vectors(m, x, opts, BK=8, BT=16):
+def check_vectors(m, x, opts, BK=8, BT=16, with_dht=True):
     """The kernel's vector gradients and dh0 against float64 autograd through loop64 (do and dht
-    random): the failing ones, by name."""
+    random; without an initial state, the kernel starts from zeros): the failing ones, by name."""
     p64, b = vectors64(m, x, opts)
-    h0 = b.initial_state.double()
+    given_h0 = b.initial_state is not None
+    N = b.B if b.cu_seqlens is None else b.cu_seqlens.numel() - 1
+    h0 = b.initial_state.double() if given_h0 else torch.zeros(N, b.HV, b.K, b.V, dtype=torch.float64)
     seqs = [(i, 0, b.T) for i in range(b.B)] if b.cu_seqlens is None else [(0, bos, eos) for _, bos, eos in b.sequences()]
     o_rows = torch.cat([torch.arange(b.T) + i * b.T for i in range(b.B)]) if b.cu_seqlens is None else torch.arange(b.T)
     leaves = {n: t.clone().requires_grad_() for n, t in p64.items()}
@@ -94,7 +96,7 @@ def check_vectors(m, x, opts, BK=8, BT=16):
     gen = torch.Generator().manual_seed(11)
     do = torch.randn(b.B, b.T, b.HV, b.V, generator=gen, dtype=torch.float64)
     dht = torch.randn(S.shape, generator=gen, dtype=torch.float64)
-    ((o * do.reshape(-1, b.HV, b.V)[o_rows]).sum() + (S * dht).sum()).backward()
+    ((o * do.reshape(-1, b.HV, b.V)[o_rows]).sum() + (S * dht).sum() * with_dht).backward()
     ref = {n: t.grad for n, t in leaves.items()} | {"h0": h0l.grad}
     cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64)
     kernels = m.kernels
@@ -103,7 +105,8 @@ def check_vectors(m, x, opts, BK=8, BT=16):
     kernels.torch = poison  # every buffer the host function allocates starts as nan
     try:
         got, dh0 = kernels.value_chunk_bwd({n: t.float().contiguous() for n, t in p64.items()}, do.float(),
-                                           h0.float().contiguous(), dht.float().contiguous(), cu, BK=BK, BT=BT)
+                                           h0.float().contiguous() if given_h0 else None,
+                                           dht.float().contiguous() if with_dht else None, cu, BK=BK, BT=BT)
     finally:
         kernels.torch = real
     assert poison.poisoned >= 8
@@ -136,6 +139,27 @@ def test_vector_gradients_batched(BK, BT):
     m = mixer("oja")
     x, opts = draw_inputs(m, BATCHED, DEVICE)
     bad = check_vectors(m, x, opts, BK=BK, BT=BT)
+    assert not bad, bad
+
+
+EDGES = {  # case, key tile, checkpoint spacing, dht given
+    "T1": (Case(B=2, T=1, H=1, HV=1, K=8, V=8, initial_state=True, seed=8), 8, 16, True),
+    "K4-V4-no-h0": (Case(B=2, T=32, H=1, HV=2, K=4, V=4, seed=9), 32, 16, True),
+    "whole-chunks-no-dht": (Case(B=1, T=48, H=1, HV=1, K=16, V=8, cu_seqlens=(0, 16, 48), initial_state=True,
+                                 seed=10), 16, 16, False),
+    "V12-BT8": (Case(B=1, T=30, H=2, HV=2, K=12, V=12, cu_seqlens=(0, 0, 30), seed=11), 4, 8, True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edge", list(EDGES))
+def test_vector_gradients_edge_shapes(edge):
+    """One token, tiny K and V without h0, sequences of whole chunks without dht, V not a power of
+    two over key tiles of 4 with an empty first sequence."""
+    case, BK, BT, with_dht = EDGES[edge]
+    m = mixer("oja")
+    x, opts = draw_inputs(m, case, DEVICE)
+    bad = check_vectors(m, x, opts, BK=BK, BT=BT, with_dht=with_dht)
     assert not bad, bad
 
 
