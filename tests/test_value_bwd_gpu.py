@@ -81,3 +81,29 @@ def test_oja_backward_time_and_memory(BK, BT, monkeypatch):
           f"{extra:.2f} GiB extra ({torch.cuda.get_device_name()})")
     # estimate at BK=32 BT=16: per-tile partials 2.1 GiB, the vectors and their graph ~1.5, checkpoints 1
     assert extra < 6.0
+
+
+@pytest.mark.parametrize("BK", [32, 64, 128])
+def test_oja_forward_key_tiles(BK, monkeypatch):
+    """The chunked forward over key tiles (VALUE_FWD_BK; 128: one program holds all of K, as before
+    2026-12-06) at the benchmark's shape: bf16 o against the float64 reference on the first of
+    the four sequences, and the time, printed for choosing the default."""
+    mixer = lrdsl.compile(OJA)
+    monkeypatch.setattr(mixer.kernels, "VALUE_FWD_BK", BK)
+    B, T, H, K, V = 4, 4096, 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    with torch.no_grad():
+        o, _ = mixer.chunk(**x)
+        ref, _ = mixer.reference(**{n: t[:1].double() for n, t in x.items()})
+        err = rms_ratio(o[:1], ref)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            mixer.chunk(**x)
+        end.record()
+        torch.cuda.synchronize()
+    print(f"oja chunk fwd B=4 T=4096 H=16 K=V=128 bf16, VALUE_FWD_BK={BK}: {start.elapsed_time(end) / 5:.2f} ms, "
+          f"o rms ratio {err:.1e} ({torch.cuda.get_device_name()})")
+    assert err < 5e-3
