@@ -294,7 +294,7 @@ class Mixer:
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                offsets=cu_seqlens_cpu)
         # value sides before segments (whose maps of the state are the key side's)
-        if self.ir.side == "right":  # the chunked forward kernel; backward INTERIM (valueside.py)
+        if self.ir.side == "right":  # the chunked forward and backward kernels (valueside.py)
             from lrdsl.runtime import valueside
             return valueside.chunk(self.ir, self.kernels, batch)
         if self.ir.side == "both":  # INTERIM: M S N's chunk is the reference's float32 token loop

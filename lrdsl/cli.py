@@ -321,8 +321,10 @@ def kernels_text(m) -> str:
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
                 "           the decode path\n")
     if m.side == "right":
-        return ("chunk      the value side's chunked forward (templates/chunk_value.py.jinja); backward INTERIM:\n"
-                "           autograd through PyTorch's chunked form, recomputed (lrdsl/runtime/valueside.py)\n"
+        return ("chunk      the value side's chunked forward (templates/chunk_value.py.jinja); backward\n"
+                "           (templates/chunk_value_bwd.py.jinja): a reverse token loop per key tile over\n"
+                "           per_token's vectors from checkpoints every 64 tokens, their gradients carried to\n"
+                "           the inputs by autograd through per_token (lrdsl/runtime/valueside.py)\n"
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
                 "           the decode path\n")
     decode = decode.format("")

@@ -3,8 +3,8 @@ gated Oja rule, FLA's chunk_gated_oja_rule; issue 40 part 2), on every path agai
 reference, forward and backward: packed sequences, grouped value heads (HV = 2 H), an initial
 state, strong decays (-1e4 and -inf on single tokens and on a whole 16-token block).
 
-The chunked path of these specs is for now PyTorch's chunked UT form (runtime/valueside.py), its
-backward autograd's; recurrent and step are the generated value-side token loop."""
+The chunked path of these specs is the generated chunked forward and backward (runtime/valueside.py;
+its kernels' own tests: test_value_bwd.py); recurrent and step are the generated value-side token loop."""
 from __future__ import annotations
 
 from pathlib import Path

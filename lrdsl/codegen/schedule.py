@@ -397,8 +397,8 @@ def _bwd_out(plan: Plan) -> str:
 
 def kernel_templates(plan: Plan) -> tuple:
     """Every template the module renders, in order, each once."""
-    if plan.side == "right":  # the value side's token loop and chunked forward (backward: runtime/valueside.py)
-        return ("recurrent_value.py.jinja", "chunk_value.py.jinja")
+    if plan.side == "right":  # the value side's token loop, chunked forward and backward (host: runtime/valueside.py)
+        return ("recurrent_value.py.jinja", "chunk_value.py.jinja", "chunk_value_bwd.py.jinja")
     if plan.side == "both":  # M S N: its token loop (chunk: runtime/reference.py's, for now)
         return ("recurrent_value.py.jinja",)
     out = list(_general(plan))

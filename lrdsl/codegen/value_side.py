@@ -1,6 +1,7 @@
 """The value side's token loop (templates/recurrent_value.py.jinja): the lines that apply M (over key
 channels, only for M S N) and N (over value channels, from the right) to the state b_h, chosen here
-so that the template stays straight-line. Each function returns the lines without indentation."""
+so that the template stays straight-line. Each function returns the lines without indentation. And
+whether the chunked forward (templates/chunk_value.py.jinja) may split the key channels."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,3 +70,13 @@ def apply(plan: Plan) -> tuple:
     if n.order:
         return ("# S D (I - a c^T): the erase reads the decayed rows", *decay, f"b_h -= {read}")
     return tuple(decay)
+
+
+def k_split(plan: Plan) -> bool:
+    """Whether the chunked forward's programs may take a tile of the key channels each: no input
+    over K is L2-normalised and no expression reduces over an axis (a tile would see part of K)."""
+    if any(ld.kind == "K" and ld.l2norm for ld in plan.loads):
+        return False
+    texts = [s.expr for s in plan.lets] + [plan.log_decay, plan.erase_a, plan.erase_c, plan.write_key,
+                                           plan.write_value, plan.query]
+    return not any(f"tl.{r}(" in t for t in texts for r in ("sum", "max", "min", "reduce", "cumsum"))

@@ -1,9 +1,10 @@
 """Value-side transitions (S = S N + u z^T, N [V, V]: the gated Oja rule) on the chunked path.
 
-The forward is the generated kernel (templates/chunk_value.py.jinja). INTERIM: its backward is
-autograd through `torch_chunk`, a differentiable PyTorch implementation of the same chunked UT form
-(below), recomputed in the backward; there are no backward kernels yet. The token loop of
-runtime/reference.py stays the float64 oracle both are tested against.
+The forward is the generated kernel (templates/chunk_value.py.jinja), the backward another
+(templates/chunk_value_bwd.py.jinja, since 2026-12-06): it takes per_token's vectors (below) and
+gives their gradients, and autograd through per_token carries them to the inputs. `torch_chunk` is
+a differentiable PyTorch implementation of the chunked UT form (below), kept as a second oracle for
+tests; the token loop of runtime/reference.py stays the float64 one.
 
 The math. T = S^T [V, K] follows T_t = N_t^T T_{t-1} + z_t u_t^T, a key-side transition on T whose
 readout contracts T's second axis: o_t = T_t q_t. Every order of N has N^T T = D T - g (alpha^T T)
@@ -22,6 +23,7 @@ import dataclasses
 import torch
 
 from lrdsl.frontend import ir
+from lrdsl.runtime import nonfinite
 from lrdsl.runtime.reference import prepare_inputs, to_torch
 from lrdsl.runtime.tensors import Batch, compute_dtype
 
@@ -165,13 +167,19 @@ def _forward(kernels, b: Batch, names, tensors, h0):
     return kernels.value_chunk_fwd(inputs, b.scale, h0, bool(b.output_final_state), cu)
 
 
+VECTORS = ("g", "alpha", "gam", "u", "z", "q")  # per_token's, as the backward kernel takes them
+
+
 class ChunkFunction(torch.autograd.Function):
-    """The kernel's forward; the backward (INTERIM) recomputes torch_chunk and differentiates it."""
+    """The generated chunked forward and backward (templates/chunk_value_bwd.py.jinja). The kernel
+    gives the gradients of per_token's vectors; autograd through per_token, recomputed from the
+    saved inputs, carries them to the inputs (the spec's expressions, norms and clamps), as
+    autograd.vector_chain_rule does for the key side."""
 
     @staticmethod
     def forward(ctx, m, kernels, b, names, h0, *tensors):
         o, ht = _forward(kernels, b, names, tensors, h0)
-        ctx.m, ctx.b, ctx.names, ctx.has_h0 = m, b, names, h0 is not None
+        ctx.m, ctx.kernels, ctx.b, ctx.names, ctx.has_h0 = m, kernels, b, names, h0 is not None
         ctx.save_for_backward(*tensors, *([h0] if h0 is not None else []))
         return o, (ht if ht is not None else o.new_zeros(0))
 
@@ -179,20 +187,32 @@ class ChunkFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         saved = list(ctx.saved_tensors)
         h0 = saved.pop() if ctx.has_h0 else None
+        b = ctx.b
+        # finite copies of the inputs (runtime/nonfinite.py): a bad entry's nan would reach every
+        # earlier token through the reverse pass's products; its own gradient is nan
+        if nonfinite.MODE == "device":
+            finite, flags = nonfinite.device_copies(ctx.m, ctx.names, saved)
+        else:
+            masks = nonfinite.bad_entries(ctx.m, ctx.names, saved)
+            finite = saved if masks is None else nonfinite.finite_copies(ctx.m, ctx.names, saved, masks)
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(t.requires_grad) for t in saved]
-            h0l = None if h0 is None else h0.detach().requires_grad_(h0.requires_grad)
-            b = dataclasses.replace(ctx.b, tensors=dict(zip(ctx.names, leaves)), initial_state=h0l)
-            o, ht = torch_chunk(ctx.m, b)
-            outs, grads = [o], [do]
-            if ht is not None and dht is not None and dht.numel():
-                outs.append(ht)
-                grads.append(dht.to(ht.dtype))
-            want = [t for t in (*leaves, h0l) if t is not None and t.requires_grad]
-            got = iter(torch.autograd.grad(outs, want, grads, allow_unused=True))
-        dx = [next(got) if t.requires_grad else None for t in leaves]
-        dh0 = next(got) if h0l is not None and h0l.requires_grad else None
-        return (None, None, None, None, dh0, *dx)
+            leaves = [f.detach().requires_grad_(t.requires_grad) for f, t in zip(finite, saved)]
+            p = per_token(ctx.m, dataclasses.replace(b, tensors=dict(zip(ctx.names, leaves))), compute_dtype(b))
+        vec = {n: p[n].detach().to(torch.float32).contiguous() for n in VECTORS}
+        h0f = None if h0 is None else h0.detach().to(torch.float32).contiguous()
+        cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64).contiguous()
+        dvec, dh0 = ctx.kernels.value_chunk_bwd(vec, do, h0f, dht if b.output_final_state else None, cu)
+        outs = [(p[n], dvec[n].to(p[n].dtype)) for n in VECTORS if p[n].requires_grad]
+        want = [t for t in leaves if t.requires_grad]
+        dx = iter(torch.autograd.grad([o for o, _ in outs], want, [g for _, g in outs], allow_unused=True)
+                  if outs and want else [None] * len(want))
+        grads = [next(dx) if t.requires_grad else None for t in leaves]
+        if nonfinite.MODE == "device":
+            grads = nonfinite.device_nan_at(ctx.m, ctx.names, saved, grads, flags)
+        elif masks is not None:
+            grads = nonfinite.nan_at(grads, masks)
+        dh0 = dh0.to(h0.dtype) if h0 is not None and h0.requires_grad else None
+        return (None, None, None, None, dh0, *grads)
 
 
 def two_sided_chunk(m: ir.Mixer, b: Batch):

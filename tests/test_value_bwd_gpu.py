@@ -1,0 +1,109 @@
+"""GPU checks of the value side's backward kernel (templates/chunk_value_bwd.py.jinja; run on the
+device machine: LRDSL_TEST_DEVICE=cuda pytest -m gpu -s tests/test_value_bwd_gpu.py).
+
+bf16 inputs of examples/oja.lr, packed sequences and grouped value heads, with a -inf block of
+log-decays: chunk's gradients against the float64 reference (test_gpu.py's tolerances); and at the
+benchmark's shape (B=4 T=4096 H=16 K=V=128) the backward's time and extra memory, printed, with a
+bound on the memory (the PyTorch backward it replaced took 21 GiB there on an H100).
+"""
+from pathlib import Path
+
+import pytest
+import torch
+from test_gpu import GATE_TOL, QKV_TOL, draw, rms_ratio
+
+import lrdsl
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA GPU (device machine)")]
+OJA = Path(__file__).resolve().parent.parent / "examples" / "oja.lr"
+
+
+@pytest.mark.parametrize("block_inf", [False, True])
+def test_oja_backward_packed_grouped_bf16(block_inf):
+    mixer = lrdsl.compile(OJA)
+    B, T, H, HV, K, V = 1, 3000, 2, 4, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = draw(mixer, B, T, H, HV, K, V, torch.bfloat16, "cuda", gen)
+    if block_inf:
+        x["gv"][:, 1000:1064] = -float("inf")  # a whole checkpoint interval, and a chunk of the forward
+    cu = torch.tensor([0, 700, 700, 2100, 3000], device="cuda")
+    h0 = torch.randn(4, HV, K, V, generator=gen, device="cuda")
+    do = torch.randn(B, T, HV, V, generator=gen, device="cuda")
+    dht = torch.randn(4, HV, K, V, generator=gen, device="cuda")
+
+    def grads(fn, dtype):
+        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+        h = h0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+        o, s = fn(**leaves, initial_state=h, output_final_state=True, cu_seqlens=cu)
+        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
+        return {**{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
+
+    ref = grads(mixer.reference, torch.float64)
+    got = grads(mixer.chunk, torch.bfloat16)
+    errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
+    print("oja value bwd", "block-inf" if block_inf else "", " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        assert e < (QKV_TOL if n in ("q", "k", "v", "h0") else GATE_TOL), (n, e)
+
+
+@pytest.mark.parametrize("BT", [16, 64])
+@pytest.mark.parametrize("BK", [32, 64, 128])
+def test_oja_backward_time_and_memory(BK, BT, monkeypatch):
+    """Forward and backward at the benchmark's shape for each key tile (VALUE_BWD_BK: more programs
+    against more partial sums) and checkpoint spacing (VALUE_BWD_BT: the scratch, BT x 4 MiB over
+    all programs here, fits in L2 at small BT, against checkpoints of 16 GiB / BT), time and extra
+    memory printed for choosing the defaults."""
+    mixer = lrdsl.compile(OJA)
+    monkeypatch.setattr(mixer.kernels, "VALUE_BWD_BK", BK)
+    monkeypatch.setattr(mixer.kernels, "VALUE_BWD_BT", BT)
+    B, T, H, K, V = 4, 4096, 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = {n: t.requires_grad_() for n, t in draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen).items()}
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o, _ = mixer.chunk(**x)
+        o.backward(do)
+
+    step()  # compile
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    print(f"oja chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BK={BK} BT={BT}: {start.elapsed_time(end) / 3:.1f} ms, "
+          f"{extra:.2f} GiB extra ({torch.cuda.get_device_name()})")
+    # estimate at BK=32 BT=16: per-tile partials 2.1 GiB, the vectors and their graph ~1.5, checkpoints 1
+    assert extra < 6.0
+
+
+@pytest.mark.parametrize("BK", [32, 64, 128])
+def test_oja_forward_key_tiles(BK, monkeypatch):
+    """The chunked forward over key tiles (VALUE_FWD_BK; 128: one program holds all of K, as before
+    2026-12-06) at the benchmark's shape: bf16 o against the float64 reference on the first of
+    the four sequences, and the time, printed for choosing the default."""
+    mixer = lrdsl.compile(OJA)
+    monkeypatch.setattr(mixer.kernels, "VALUE_FWD_BK", BK)
+    B, T, H, K, V = 4, 4096, 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    with torch.no_grad():
+        o, _ = mixer.chunk(**x)
+        ref, _ = mixer.reference(**{n: t[:1].double() for n, t in x.items()})
+        err = rms_ratio(o[:1], ref)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            mixer.chunk(**x)
+        end.record()
+        torch.cuda.synchronize()
+    print(f"oja chunk fwd B=4 T=4096 H=16 K=V=128 bf16, VALUE_FWD_BK={BK}: {start.elapsed_time(end) / 5:.2f} ms, "
+          f"o rms ratio {err:.1e} ({torch.cuda.get_device_name()})")
+    assert err < 5e-3
