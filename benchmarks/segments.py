@@ -5,11 +5,14 @@ inputs. Every row of a shape reads the same bf16 tensors.
 
     python benchmarks/segments.py [--specs gated_deltanet,kda,gla] [--shapes long,gva,std4,std1]
                                   [--segments auto,1,8,16,32,64] [--fwd-only] [--all-segments]
+                                  [--flashqla]
 
 Shapes (B, T, H key heads, HV value heads, K, V): long = 1,65536,4,4; gva = 1,65536,2,8 (four value
 heads per key head); std4 = 4,4096,16,16; std1 = 1,16384,32,32; K = V = 128. `auto` is the
 schedule's choice (segments.count, printed beside it); at the standard shapes only auto and 1 run
-unless --all-segments. FLA's op gets the same tensors; where it refuses value heads grouped
+unless --all-segments. With --flashqla, gated_deltanet also runs Qwen's FlashQLA (`flash_qla`, TileLang;
+its chunk_gated_delta_rule takes FLA's arguments and splits the sequence itself, `auto_cp`) on
+FLA's arguments, a row of its own labelled FlashQLA. FLA's op gets the same tensors; where it refuses value heads grouped
 over key heads, q and k are repeated to HV heads before the timed call (marked `rep`). The table
 (markdown) is printed last: one row per spec, shape and variant, with FLA's time over each.
 """
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--segments", default="auto,1,8,16,32,64")
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--all-segments", action="store_true", help="every --segments at the standard shapes too")
+    ap.add_argument("--flashqla", action="store_true", help="gated_deltanet beside FlashQLA too (needs flash_qla)")
     a = ap.parse_args(argv)
     import lrdsl
     from lrdsl.bench import _fla_compiles_at_once, measure
@@ -87,6 +91,10 @@ def main(argv=None) -> int:
                     print(f"{spec} {sname} FLA {tw[0]}: {fla[1]}", flush=True)
                 except Exception as e:  # one op's failure must not hide the others
                     print(f"{spec} {sname} FLA failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            if a.flashqla and spec == "gated_deltanet" and tw is not None:
+                peer = flashqla(tw[2], backward)
+                if peer is not None:
+                    rows.append((spec, shape, "FlashQLA", peer, fla))
             for variant in a.segments.split(","):
                 n = None if variant == "auto" else int(variant)
                 if sname in STANDARD and variant not in ("auto", "1") and not a.all_segments:
@@ -103,6 +111,21 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     print(table(rows))
     return 0
+
+
+def flashqla(x, backward):
+    """FlashQLA's chunk_gated_delta_rule measured on FLA's arguments for x (bench.TWINS), or None with
+    the reason printed (not installed, or its first call failed)."""
+    from lrdsl.bench import TWINS, measure
+    try:
+        from flash_qla import chunk_gated_delta_rule
+        args = TWINS["gated_deltanet"][1]
+        r = measure(lambda x: chunk_gated_delta_rule(**args(x))[0], x, None, backward)
+    except Exception as e:  # the peer is optional: say why it has no row
+        print(f"FlashQLA failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+    print(f"FlashQLA: {r}", flush=True)
+    return r
 
 
 def table(rows) -> str:
