@@ -5,7 +5,8 @@ checked against the reference; each order of M beside each order of N (left, rig
 decay kinds on each side (none, per head, per channel); packed sequences with an empty one, grouped
 value heads (HV = 2 H), h0 and dht, and log-decays of -1e4 and -inf on single tokens and whole
 chunks on either side. End to end (the inputs' gradients through per_token) against the reference,
-and chunk no longer running the reference's token loop."""
+a non-finite input leaving the earlier tokens' gradients the reference's, chunk no longer running
+the reference's token loop, and the written module's chunk (the token loop's forward)."""
 from __future__ import annotations
 
 import itertools
@@ -234,3 +235,47 @@ def test_chunk_does_not_run_the_reference(monkeypatch):
     o, s = m.chunk(**leaves, **dict(opts, initial_state=h0, output_final_state=True))
     (o.sum() + s.sum()).backward()
     assert all(torch.isfinite(t.grad).all() for t in (*leaves.values(), h0))
+
+
+def test_written_module_chunk_is_the_token_loop(tmp_path):
+    """The module `lrdsl compile` writes: its chunk of a two-sided spec is the token loop's forward."""
+    import importlib.util
+
+    from lrdsl.codegen.generate import generate
+    m = mixer("right", "sum")
+    path = tmp_path / "written_two_sided.py"
+    path.write_text(generate(m.ir))
+    spec = importlib.util.spec_from_file_location("written_two_sided", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    x, opts = draw_inputs(m, CASE, DEVICE)
+    ref_o, ref_s = m.reference(**{n: t.double() for n, t in x.items()},
+                               **dict(opts, initial_state=opts["initial_state"].double(), output_final_state=True))
+    o, s = mod.chunk(**x, **dict(opts, output_final_state=True))
+    assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
+
+
+@pytest.mark.parametrize("bad", tiered(["beta-nan", "g-nan", "gv-nan", "v-inf"], ["beta-nan"]))
+def test_nonfinite_input_leaves_earlier_gradients(bad):
+    """A nan or inf in one input at token 37: every input's gradient at the tokens before it, of a
+    loss on the outputs before it, is the float64 reference's on those tokens alone (the backward
+    runs on finite copies, valueside.ChunkFunction's), nan at the bad entry."""
+    m = mixer("left", "right")
+    row = 37
+    x, opts = draw_inputs(m, Case(B=1, T=50, H=1, HV=1, K=8, V=8, initial_state=True, seed=6), DEVICE)
+    name, value = {"beta-nan": ("beta", float("nan")), "g-nan": ("g", float("nan")),
+                   "gv-nan": ("gv", float("nan")), "v-inf": ("v", float("inf"))}[bad]
+    x[name] = x[name].clone()
+    x[name][0, row] = value
+    do = torch.randn(1, row, 1, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, _ = m.chunk(**leaves, **opts)
+    (torch.nan_to_num(o[:, :row], nan=0.0, posinf=0.0, neginf=0.0) * do.float()).sum().backward()
+    early = {n: t[:, :row].double().requires_grad_() for n, t in x.items()}
+    ref_o, _ = m.reference(**early, **dict(opts, initial_state=opts["initial_state"].double()))
+    (ref_o * do).sum().backward()
+    for n in x:
+        got, ref = leaves[n].grad[:, :row], early[n].grad
+        assert torch.isfinite(got).all(), f"{bad}: d{n} not finite before token {row}"
+        assert rms_ratio(got, ref) < (TOL if n in ("q", "k", "v") else 10 * TOL), (bad, n, rms_ratio(got, ref))
+    assert torch.isnan(leaves[name].grad[0, row]).all()
