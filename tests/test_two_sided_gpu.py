@@ -51,13 +51,16 @@ def test_two_sided_packed_grouped_bf16(block_inf):
         assert e < (5e-3 if n in ("o", "S") else QKV_TOL if n in ("q", "k", "v", "h0") else GATE_TOL), (n, e)
 
 
+@pytest.mark.parametrize("warps", [4, 8, 16])
 @pytest.mark.parametrize("BT", [16, 32, 64])
-def test_two_sided_time_and_memory(BT, monkeypatch):
+def test_two_sided_time_and_memory(BT, warps, monkeypatch):
     """Forward and backward at the benchmark's shape for each checkpoint spacing (TWO_SIDED_BWD_BT:
-    checkpoints of 16 GiB / BT against a scratch of BT x 4 MiB over all programs), time and extra
-    memory printed for choosing the default."""
+    checkpoints of 16 GiB / BT against a scratch of BT x 4 MiB over all programs) and number of
+    warps of the backward (TWO_SIDED_BWD_WARPS), time and extra memory printed for choosing the
+    defaults."""
     mixer = lrdsl.compile(text=SPEC)
     monkeypatch.setattr(mixer.kernels, "TWO_SIDED_BWD_BT", BT)
+    monkeypatch.setattr(mixer.kernels, "TWO_SIDED_BWD_WARPS", warps)
     B, T, H, K, V = 4, 4096, 16, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = {n: t.requires_grad_() for n, t in draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen).items()}
@@ -78,6 +81,6 @@ def test_two_sided_time_and_memory(BT, monkeypatch):
     end.record()
     torch.cuda.synchronize()
     extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    print(f"two-sided chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BT={BT}: {start.elapsed_time(end) / 3:.1f} ms, "
+    print(f"two-sided chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BT={BT} warps={warps}: {start.elapsed_time(end) / 3:.1f} ms, "
           f"{extra:.2f} GiB extra")
     assert extra < 8, extra  # per-token vectors and their gradients (~2.3 GiB), checkpoints, scratch
