@@ -297,9 +297,9 @@ class Mixer:
         if self.ir.side == "right":  # the chunked forward and backward kernels (valueside.py)
             from lrdsl.runtime import valueside
             return valueside.chunk(self.ir, self.kernels, batch)
-        if self.ir.side == "both":  # INTERIM: M S N's chunk is the reference's float32 token loop
-            from lrdsl.runtime.valueside import two_sided_chunk
-            return two_sided_chunk(self.ir, batch)
+        if self.ir.side == "both":  # M S N: the token loop forward, a reverse token loop backward (two_sided.py)
+            from lrdsl.runtime import two_sided
+            return two_sided.chunk(self.ir, self.kernels, batch)
         if type(segments) is not int or segments != 1:  # 1 (not True): one pass without a look
             from lrdsl.runtime import segments as seg
             cut = seg.plan(self, batch, segments, cu_seqlens_cpu)

@@ -316,8 +316,10 @@ def kernels_text(m) -> str:
     if m.solve_lam is not None:
         return "chunk      the offline solve's kernels (templates/mesa_chunk.py.jinja)\n" + decode.format("mesa_")
     if m.side == "both":
-        return ("chunk      INTERIM: the float32 token loop of the reference, differentiable (runtime/reference.py);\n"
-                "           no chunked form yet for a two-sided transition (M S N)\n"
+        return ("chunk      the two-sided token loop (templates/recurrent_value.py.jinja), all of K and V per\n"
+                "           program; backward (templates/chunk_two_sided_bwd.py.jinja): a reverse token loop over\n"
+                "           per_token's vectors from checkpoints every 32 tokens, their gradients carried to the\n"
+                "           inputs by autograd through per_token (lrdsl/runtime/two_sided.py); no chunked form yet\n"
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
                 "           the decode path\n")
     if m.side == "right":

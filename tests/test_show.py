@@ -80,6 +80,12 @@ S = (I - beta k k^T) S + beta k v^T
 o = S^T q
 """
 
+TWO_SIDED = """mixer two_sided
+input q[K], k[K] l2norm, v[V] l2norm, g[K] log, gv[V] log, beta in (0, 1)
+S = (I - beta k k^T) diag(exp(g)) S diag(exp(gv)) (I - beta v v^T) + beta k v^T
+o = S^T q
+"""
+
 
 @pytest.mark.parametrize("name, first", [
     ("gated_deltanet", "the staged kernels (a decay per token and head)"),
@@ -87,13 +93,14 @@ o = S^T q
     ("kda_decay_after_erase", "split (lrdsl/codegen/split.py): the staged kernels on two tokens per token"),
     ("mesa", "the offline solve's kernels"),
     ("vnorm", "the general kernels (templates/chunk.py.jinja): an L2 norm over the value channels"),
+    ("two_sided", "the two-sided token loop (templates/recurrent_value.py.jinja)"),
 ])
 def test_show_says_which_kernels_chunk_runs(name, first, tmp_path, capsys):
     from lrdsl.cli import main
     path = ROOT / "examples" / f"{name}.lr"
-    if name == "vnorm":
-        path = tmp_path / "vnorm.lr"
-        path.write_text(VNORM)
+    if name in ("vnorm", "two_sided"):
+        path = tmp_path / f"{name}.lr"
+        path.write_text(VNORM if name == "vnorm" else TWO_SIDED)
     assert main(["show", str(path)]) == 0
     kernels = capsys.readouterr().out.split("\n# kernels\n")[1]
     assert kernels.startswith("chunk      " + first), kernels

@@ -1,7 +1,8 @@
 """Two-sided transitions, S_t = M_t S_{t-1} N_t + u_t z_t^T with M_t [K, K] and N_t [V, V] each
 diagonal plus rank 1 (issue 40 part 2), against the float64 reference: the reference against dense
-matrices, recurrent and step (the generated token loop), and chunk forward and gradients (INTERIM:
-the reference's float32 token loop), with packed sequences, grouped value heads and strong decays.
+matrices, recurrent and step (the generated token loop), and chunk forward and gradients (the token
+loop's kernel and its backward kernel, tests/test_two_sided_bwd.py), with packed sequences, grouped
+value heads and strong decays.
 """
 from __future__ import annotations
 

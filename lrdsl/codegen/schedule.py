@@ -399,8 +399,8 @@ def kernel_templates(plan: Plan) -> tuple:
     """Every template the module renders, in order, each once."""
     if plan.side == "right":  # the value side's token loop, chunked forward and backward (host: runtime/valueside.py)
         return ("recurrent_value.py.jinja", "chunk_value.py.jinja", "chunk_value_bwd.py.jinja")
-    if plan.side == "both":  # M S N: its token loop (chunk: runtime/reference.py's, for now)
-        return ("recurrent_value.py.jinja",)
+    if plan.side == "both":  # M S N: its token loop (chunk's forward too) and backward (host: runtime/two_sided.py)
+        return ("recurrent_value.py.jinja", "chunk_two_sided_bwd.py.jinja")
     out = list(_general(plan))
     if plan.staged:
         out += _staged_forward(plan) + _staged_backward(plan)

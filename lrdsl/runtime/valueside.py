@@ -35,32 +35,42 @@ def _tensor(val, like: torch.Tensor, shape) -> torch.Tensor:
     return torch.as_tensor(val, dtype=like.dtype, device=like.device).expand(*shape)
 
 
-def per_token(m: ir.Mixer, b: Batch, dtype: torch.dtype) -> dict:
-    """Every per-token quantity at every token at once ([B, T, HV, width]): the transition's log-decay
-    g and decay d, the read and write directions alpha and gam of N^T, the write's key u and value z,
-    and the scaled query q. Value-side specs have no auxiliary states (the lowering refuses them), so
-    each quantity is elementwise in its token's inputs."""
-    x = prepare_inputs(m, b, dtype)
-    ref = x["q"]
-    env = dict(x)
-    env["h"] = torch.arange(b.HV, device=ref.device, dtype=dtype).view(1, 1, b.HV, 1)
+def token_env(m: ir.Mixer, b: Batch, dtype: torch.dtype) -> dict:
+    """The inputs, the head index h and every let at every token at once ([B, T, HV, width])."""
+    env = dict(prepare_inputs(m, b, dtype))
+    env["h"] = torch.arange(b.HV, device=env["q"].device, dtype=dtype).view(1, 1, b.HV, 1)
     for lt in m.lets:
         env[lt.name] = to_torch(lt.expr)(env)
-    shp = lambda w: (b.B, b.T, b.HV, w)
-    g = _tensor(to_torch(m.log_decay())(env), ref, shp(b.V))
+    return env
+
+
+def factor(log_decay, delta, env: dict, shape) -> tuple:
+    """One diagonal-plus-rank-1 factor as D - x y^T (D = diag(exp(g)), over the channels of shape's
+    width): its log-decay g, x and y. D (I - a c^T) gives x = d a, y = c; (I - a c^T) D gives x = a,
+    y = d c; D - a c^T gives x = a, y = c; no erase gives zeros."""
+    ref = env["q"]
+    g = _tensor(to_torch(log_decay)(env), ref, shape)
+    if delta is None:
+        zero = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+        return g, zero, zero
     d = torch.exp(g)
-    out = {"g": g, "u": _tensor(to_torch(m.write.key)(env), ref, shp(b.K)),
+    a, c = _tensor(to_torch(delta.a)(env), ref, shape), _tensor(to_torch(delta.c)(env), ref, shape)
+    return g, d * a if delta.order == "right" else a, d * c if delta.order == "left" else c
+
+
+def per_token(m: ir.Mixer, b: Batch, dtype: torch.dtype, env: dict | None = None) -> dict:
+    """Every per-token quantity at every token at once ([B, T, HV, width]): the transition's log-decay
+    g, the read and write directions alpha and gam of N^T (S N = S D - (S alpha) gam^T), the
+    write's key u and value z, and the scaled query q. Value-side specs have no auxiliary states
+    (the lowering refuses them), so each quantity is elementwise in its token's inputs. env:
+    token_env's, where the caller has it."""
+    env = token_env(m, b, dtype) if env is None else env
+    ref = env["q"]
+    shp = lambda w: (b.B, b.T, b.HV, w)
+    out = {"u": _tensor(to_torch(m.write.key)(env), ref, shp(b.K)),
            "z": _tensor(to_torch(m.write.value)(env), ref, shp(b.V)),
            "q": _tensor(to_torch(m.query)(env), ref, shp(b.K)) * b.scale}
-    zero = torch.zeros(shp(b.V), dtype=dtype, device=ref.device)
-    if m.delta is None:
-        out["alpha"], out["gam"] = zero, zero
-    else:
-        a = _tensor(to_torch(m.delta.a)(env), ref, shp(b.V))
-        c = _tensor(to_torch(m.delta.c)(env), ref, shp(b.V))
-        order = m.delta.order
-        out["alpha"] = d * a if order == "right" else a
-        out["gam"] = d * c if order == "left" else c
+    out["g"], out["alpha"], out["gam"] = factor(m.log_decay(), m.delta, env, shp(b.V))
     return out
 
 
@@ -149,37 +159,58 @@ def torch_chunk(m: ir.Mixer, b: Batch):
     return o.to(b.tensors["v"].dtype), final
 
 
-def chunk(m: ir.Mixer, kernels, b: Batch):
-    """mixer.chunk of a value-side spec: the generated chunked forward, differentiable in every
-    input and the initial state (through ChunkFunction where something requires grad)."""
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What ChunkFunction runs for one kind of transition: the forward (kernels, b, names, tensors,
+    h0) -> (o, final state), the per-token vectors (per_token's signature), their names in the
+    backward kernel's order, and the name of the backward's host function in the generated module
+    (its signature value_chunk_bwd's)."""
+    forward: object
+    per_token: object
+    vectors: tuple
+    backward: str
+
+
+def chunk(m: ir.Mixer, kernels, b: Batch, route: "Route | None" = None):
+    """mixer.chunk of a value-side spec (another transition's with route): the generated forward,
+    differentiable in every input and the initial state (through ChunkFunction where something
+    requires grad)."""
+    route = route or VALUE
     names = list(m.tensor_names)
     tensors = [b.tensors[n] for n in names]
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*tensors, b.initial_state)):
-        o, ht = ChunkFunction.apply(m, kernels, b, names, b.initial_state, *tensors)
+        o, ht = ChunkFunction.apply(m, kernels, b, names, route, b.initial_state, *tensors)
         return o, (ht if b.output_final_state else None)
-    return _forward(kernels, b, names, tensors, b.initial_state)
+    return route.forward(kernels, b, names, tensors, b.initial_state)
 
 
-def _forward(kernels, b: Batch, names, tensors, h0):
+def host_args(b: Batch, names, tensors, h0) -> tuple:
+    """The kernels' inputs by name (contiguous), the initial state in fp32 and cu_seqlens in int64."""
     inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
     h0 = None if h0 is None else h0.to(torch.float32).contiguous()
     cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64).contiguous()
+    return inputs, h0, cu
+
+
+def _forward(kernels, b: Batch, names, tensors, h0):
+    inputs, h0, cu = host_args(b, names, tensors, h0)
     return kernels.value_chunk_fwd(inputs, b.scale, h0, bool(b.output_final_state), cu)
 
 
 VECTORS = ("g", "alpha", "gam", "u", "z", "q")  # per_token's, as the backward kernel takes them
+VALUE = Route(_forward, per_token, VECTORS, "value_chunk_bwd")
 
 
 class ChunkFunction(torch.autograd.Function):
-    """The generated chunked forward and backward (templates/chunk_value_bwd.py.jinja). The kernel
-    gives the gradients of per_token's vectors; autograd through per_token, recomputed from the
-    saved inputs, carries them to the inputs (the spec's expressions, norms and clamps), as
-    autograd.vector_chain_rule does for the key side."""
+    """The generated forward and backward (templates/chunk_value_bwd.py.jinja for the value side,
+    route's otherwise). The kernel gives the gradients of the per-token vectors; autograd through
+    per_token, recomputed from the saved inputs, carries them to the inputs (the spec's
+    expressions, norms and clamps), as autograd.vector_chain_rule does for the key side."""
 
     @staticmethod
-    def forward(ctx, m, kernels, b, names, h0, *tensors):
-        o, ht = _forward(kernels, b, names, tensors, h0)
-        ctx.m, ctx.kernels, ctx.b, ctx.names, ctx.has_h0 = m, kernels, b, names, h0 is not None
+    def forward(ctx, m, kernels, b, names, route, h0, *tensors):
+        o, ht = route.forward(kernels, b, names, tensors, h0)
+        ctx.m, ctx.kernels, ctx.b, ctx.names, ctx.route, ctx.has_h0 = m, kernels, b, names, route, h0 is not None
         ctx.save_for_backward(*tensors, *([h0] if h0 is not None else []))
         return o, (ht if ht is not None else o.new_zeros(0))
 
@@ -187,7 +218,7 @@ class ChunkFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         saved = list(ctx.saved_tensors)
         h0 = saved.pop() if ctx.has_h0 else None
-        b = ctx.b
+        b, route = ctx.b, ctx.route
         # finite copies of the inputs (runtime/nonfinite.py): a bad entry's nan would reach every
         # earlier token through the reverse pass's products; its own gradient is nan
         if nonfinite.MODE == "device":
@@ -197,12 +228,13 @@ class ChunkFunction(torch.autograd.Function):
             finite = saved if masks is None else nonfinite.finite_copies(ctx.m, ctx.names, saved, masks)
         with torch.enable_grad():
             leaves = [f.detach().requires_grad_(t.requires_grad) for f, t in zip(finite, saved)]
-            p = per_token(ctx.m, dataclasses.replace(b, tensors=dict(zip(ctx.names, leaves))), compute_dtype(b))
-        vec = {n: p[n].detach().to(torch.float32).contiguous() for n in VECTORS}
+            p = route.per_token(ctx.m, dataclasses.replace(b, tensors=dict(zip(ctx.names, leaves))),
+                                compute_dtype(b))
+        vec = {n: p[n].detach().to(torch.float32).contiguous() for n in route.vectors}
         h0f = None if h0 is None else h0.detach().to(torch.float32).contiguous()
         cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64).contiguous()
-        dvec, dh0 = ctx.kernels.value_chunk_bwd(vec, do, h0f, dht if b.output_final_state else None, cu)
-        outs = [(p[n], dvec[n].to(p[n].dtype)) for n in VECTORS if p[n].requires_grad]
+        dvec, dh0 = getattr(ctx.kernels, route.backward)(vec, do, h0f, dht if b.output_final_state else None, cu)
+        outs = [(p[n], dvec[n].to(p[n].dtype)) for n in route.vectors if p[n].requires_grad]
         want = [t for t in leaves if t.requires_grad]
         dx = iter(torch.autograd.grad([o for o, _ in outs], want, [g for _, g in outs], allow_unused=True)
                   if outs and want else [None] * len(want))
@@ -212,13 +244,4 @@ class ChunkFunction(torch.autograd.Function):
         elif masks is not None:
             grads = nonfinite.nan_at(grads, masks)
         dh0 = dh0.to(h0.dtype) if h0 is not None and h0.requires_grad else None
-        return (None, None, None, None, dh0, *grads)
-
-
-def two_sided_chunk(m: ir.Mixer, b: Batch):
-    """INTERIM chunk of a two-sided M S N: the reference's token loop (runtime/reference.py) in the
-    compute dtype (float32, float64 for float64 inputs), differentiable through autograd. No chunked
-    form yet: M's and N's products within a chunk are independent (S_t = L S_0 R + sum L u z^T R), which
-    a chunked form would use."""
-    from lrdsl.runtime.reference import scan
-    return scan(m, b)
+        return (None, None, None, None, None, dh0, *grads)
