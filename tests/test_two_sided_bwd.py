@@ -15,7 +15,9 @@ import re
 import pytest
 import torch
 from test_dplr import against_reference, failing, tiered
-from test_recurrent import DEVICE, PoisonTorch
+from test_recurrent import DEVICE
+from test_value_bwd import compare_vector_grads
+from test_value_bwd import vectors64 as value_vectors64
 
 import lrdsl
 from lrdsl.runtime import reference, two_sided
@@ -67,13 +69,8 @@ def mixer(m_form: str, n_form: str):
 
 
 def vectors64(m, x, opts):
-    """per_token's vectors of inputs x in float64, and the batch they were made from."""
-    h0 = opts["initial_state"]
-    x64 = {n: t.double() for n, t in x.items()}
-    q, k, v = x64.pop("q"), x64.pop("k"), x64.pop("v")
-    b = m._validate(q, k, v, x64, opts.get("scale"), None if h0 is None else h0.double(), True,
-                    opts.get("cu_seqlens"))
-    return {n: t.detach().contiguous() for n, t in two_sided.per_token(m.ir, b, torch.float64).items()}, b
+    """two_sided.per_token's vectors of inputs x in float64, and the batch they were made from."""
+    return value_vectors64(m, x, opts, two_sided.per_token)
 
 
 def loop64(p, h0, sequences):
@@ -93,48 +90,9 @@ def loop64(p, h0, sequences):
 
 
 def check_vectors(m, x, opts, BT=16, with_dht=True):
-    """The kernel's vector gradients and dh0 against float64 autograd through loop64 (do and dht
-    random; without an initial state, the kernel starts from zeros): the failing ones, by name."""
-    p64, b = vectors64(m, x, opts)
-    given_h0 = b.initial_state is not None
-    N = b.B if b.cu_seqlens is None else b.cu_seqlens.numel() - 1
-    h0 = b.initial_state.double() if given_h0 else torch.zeros(N, b.HV, b.K, b.V, dtype=torch.float64)
-    seqs = [(i, 0, b.T) for i in range(b.B)] if b.cu_seqlens is None else [(0, bos, eos) for _, bos, eos in b.sequences()]
-    o_rows = torch.cat([torch.arange(b.T) + i * b.T for i in range(b.B)]) if b.cu_seqlens is None else torch.arange(b.T)
-    leaves = {n: t.clone().requires_grad_() for n, t in p64.items()}
-    h0l = h0.clone().requires_grad_()
-    o, S = loop64(leaves, h0l, seqs)  # o [rows, HV, V] in (sequence, token) order
-    ref_o, ref_S = m.reference(**{n: t.double() for n, t in x.items()}, **dict(opts, initial_state=h0,
-                                                                               output_final_state=True))
-    assert rms_ratio(o, ref_o.reshape(-1, b.HV, b.V)[o_rows]) < 1e-10 and rms_ratio(S, ref_S) < 1e-10
-    gen = torch.Generator().manual_seed(11)
-    do = torch.randn(b.B, b.T, b.HV, b.V, generator=gen, dtype=torch.float64)
-    dht = torch.randn(S.shape, generator=gen, dtype=torch.float64)
-    ((o * do.reshape(-1, b.HV, b.V)[o_rows]).sum() + (S * dht).sum() * with_dht).backward()
-    ref = {n: t.grad for n, t in leaves.items()} | {"h0": h0l.grad}
-    cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64)
-    kernels = m.kernels
-    poison = PoisonTorch()
-    real = kernels.torch
-    kernels.torch = poison  # every buffer the host function allocates starts as nan
-    try:
-        got, dh0 = kernels.two_sided_chunk_bwd({n: t.float().contiguous() for n, t in p64.items()}, do.float(),
-                                               h0.float().contiguous() if given_h0 else None,
-                                               dht.float().contiguous() if with_dht else None, cu, BT=BT)
-    finally:
-        kernels.torch = real
-    assert poison.poisoned >= 12
-    got = dict(got, h0=dh0)
-    assert set(got) == set(ref)
-    bad = {}
-    for n, r in ref.items():
-        if not r.abs().max() > 0:  # the erase's directions without an erase: exactly zero both
-            ok = torch.equal(got[n], torch.zeros_like(got[n]))
-        else:
-            ok = rms_ratio(got[n], r) < TOL
-        if not ok:
-            bad[n] = rms_ratio(got[n], r)
-    return bad
+    """two_sided_chunk_bwd's vector gradients against float64 autograd through loop64."""
+    return compare_vector_grads(m, x, opts, vectors64, loop64, with_dht, 12,
+                                lambda k, *a: k.two_sided_chunk_bwd(*a, BT=BT))
 
 
 PAIRS = list(itertools.product(ORDERS, ORDERS))

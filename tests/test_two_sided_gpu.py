@@ -11,6 +11,7 @@ memory for each checkpoint spacing, printed, with a bound on the memory.
 import pytest
 import torch
 from test_gpu import GATE_TOL, QKV_TOL, draw, rms_ratio
+from test_value_bwd_gpu import time_fwd_bwd
 
 import lrdsl
 
@@ -61,26 +62,7 @@ def test_two_sided_time_and_memory(BT, warps, monkeypatch):
     mixer = lrdsl.compile(text=SPEC)
     monkeypatch.setattr(mixer.kernels, "TWO_SIDED_BWD_BT", BT)
     monkeypatch.setattr(mixer.kernels, "TWO_SIDED_BWD_WARPS", warps)
-    B, T, H, K, V = 4, 4096, 16, 128, 128
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    x = {n: t.requires_grad_() for n, t in draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen).items()}
-    do = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        o, _ = mixer.chunk(**x)
-        o.backward(do)
-
-    step()  # compile
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    print(f"two-sided chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BT={BT} warps={warps}: {start.elapsed_time(end) / 3:.1f} ms, "
+    ms, extra = time_fwd_bwd(mixer)
+    print(f"two-sided chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BT={BT} warps={warps}: {ms:.1f} ms, "
           f"{extra:.2f} GiB extra")
     assert extra < 8, extra  # per-token vectors and their gradients (~2.3 GiB), checkpoints, scratch

@@ -52,14 +52,14 @@ def mixer(name):
     return _MIXERS[name]
 
 
-def vectors64(m, x, opts):
+def vectors64(m, x, opts, per_token=valueside.per_token):
     """per_token's vectors of inputs x in float64, and the batch they were made from."""
     h0 = opts["initial_state"]
     x64 = {n: t.double() for n, t in x.items()}
     q, k, v = x64.pop("q"), x64.pop("k"), x64.pop("v")
     b = m._validate(q, k, v, x64, opts.get("scale"), None if h0 is None else h0.double(), True,
                     opts.get("cu_seqlens"))
-    return {n: t.detach().contiguous() for n, t in valueside.per_token(m.ir, b, torch.float64).items()}, b
+    return {n: t.detach().contiguous() for n, t in per_token(m.ir, b, torch.float64).items()}, b
 
 
 def loop64(p, h0, sequences):
@@ -79,9 +79,17 @@ def loop64(p, h0, sequences):
 
 
 def check_vectors(m, x, opts, BK=8, BT=16, with_dht=True):
-    """The kernel's vector gradients and dh0 against float64 autograd through loop64 (do and dht
-    random; without an initial state, the kernel starts from zeros): the failing ones, by name."""
-    p64, b = vectors64(m, x, opts)
+    """value_chunk_bwd's vector gradients against float64 autograd through loop64."""
+    return compare_vector_grads(m, x, opts, vectors64, loop64, with_dht, 8,
+                                lambda k, *a: k.value_chunk_bwd(*a, BK=BK, BT=BT))
+
+
+def compare_vector_grads(m, x, opts, make_vectors, loop, with_dht, min_poisoned, run):
+    """A backward kernel's vector gradients and dh0 (run(kernels, vectors, do, h0, dht, cu)) against
+    float64 autograd through loop(vectors, h0, sequences), itself checked against m.reference (do and
+    dht random; without an initial state, the kernel starts from zeros): the failing ones, by name.
+    tests/test_two_sided_bwd.py checks its kernel with it too."""
+    p64, b = make_vectors(m, x, opts)
     given_h0 = b.initial_state is not None
     N = b.B if b.cu_seqlens is None else b.cu_seqlens.numel() - 1
     h0 = b.initial_state.double() if given_h0 else torch.zeros(N, b.HV, b.K, b.V, dtype=torch.float64)
@@ -89,7 +97,7 @@ def check_vectors(m, x, opts, BK=8, BT=16, with_dht=True):
     o_rows = torch.cat([torch.arange(b.T) + i * b.T for i in range(b.B)]) if b.cu_seqlens is None else torch.arange(b.T)
     leaves = {n: t.clone().requires_grad_() for n, t in p64.items()}
     h0l = h0.clone().requires_grad_()
-    o, S = loop64(leaves, h0l, seqs)  # o [rows, HV, V] in (sequence, token) order
+    o, S = loop(leaves, h0l, seqs)  # o [rows, HV, V] in (sequence, token) order
     ref_o, ref_S = m.reference(**{n: t.double() for n, t in x.items()}, **dict(opts, initial_state=h0,
                                                                                output_final_state=True))
     assert rms_ratio(o, ref_o.reshape(-1, b.HV, b.V)[o_rows]) < 1e-10 and rms_ratio(S, ref_S) < 1e-10
@@ -104,16 +112,17 @@ def check_vectors(m, x, opts, BK=8, BT=16, with_dht=True):
     real = kernels.torch
     kernels.torch = poison  # every buffer the host function allocates starts as nan
     try:
-        got, dh0 = kernels.value_chunk_bwd({n: t.float().contiguous() for n, t in p64.items()}, do.float(),
-                                           h0.float().contiguous() if given_h0 else None,
-                                           dht.float().contiguous() if with_dht else None, cu, BK=BK, BT=BT)
+        got, dh0 = run(kernels, {n: t.float().contiguous() for n, t in p64.items()}, do.float(),
+                       h0.float().contiguous() if given_h0 else None,
+                       dht.float().contiguous() if with_dht else None, cu)
     finally:
         kernels.torch = real
-    assert poison.poisoned >= 8
+    assert poison.poisoned >= min_poisoned
     got = dict(got, h0=dh0)
+    assert set(got) == set(ref)
     bad = {}
     for n, r in ref.items():
-        if not r.abs().max() > 0:  # alpha's and gam's without an erase: exactly zero both
+        if not r.abs().max() > 0:  # an erase's directions without an erase: exactly zero both
             ok = torch.equal(got[n], torch.zeros_like(got[n]))
         else:
             ok = rms_ratio(got[n], r) < TOL

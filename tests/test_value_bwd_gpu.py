@@ -57,27 +57,8 @@ def test_oja_backward_time_and_memory(BK, BT, monkeypatch):
     mixer = lrdsl.compile(OJA)
     monkeypatch.setattr(mixer.kernels, "VALUE_BWD_BK", BK)
     monkeypatch.setattr(mixer.kernels, "VALUE_BWD_BT", BT)
-    B, T, H, K, V = 4, 4096, 16, 128, 128
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    x = {n: t.requires_grad_() for n, t in draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen).items()}
-    do = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        o, _ = mixer.chunk(**x)
-        o.backward(do)
-
-    step()  # compile
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    print(f"oja chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BK={BK} BT={BT}: {start.elapsed_time(end) / 3:.1f} ms, "
+    ms, extra = time_fwd_bwd(mixer)
+    print(f"oja chunk fwd+bwd B=4 T=4096 H=16 K=V=128 bf16, BK={BK} BT={BT}: {ms:.1f} ms, "
           f"{extra:.2f} GiB extra ({torch.cuda.get_device_name()})")
     # estimate at BK=32 BT=16: per-tile partials 2.1 GiB, the vectors and their graph ~1.5, checkpoints 1
     assert extra < 6.0
@@ -107,3 +88,27 @@ def test_oja_forward_key_tiles(BK, monkeypatch):
     print(f"oja chunk fwd B=4 T=4096 H=16 K=V=128 bf16, VALUE_FWD_BK={BK}: {start.elapsed_time(end) / 5:.2f} ms, "
           f"o rms ratio {err:.1e} ({torch.cuda.get_device_name()})")
     assert err < 5e-3
+
+
+def time_fwd_bwd(mixer, B=4, T=4096, H=16, K=128, V=128):
+    """GPU ms of one chunk forward + backward (the mean of three after a compiling one) and the peak
+    memory above what was allocated before, GiB, bf16 inputs of bench's draw."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = {n: t.requires_grad_() for n, t in draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen).items()}
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o, _ = mixer.chunk(**x)
+        o.backward(do)
+
+    step()  # compile
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 3, (torch.cuda.max_memory_allocated() - base) / 2 ** 30
