@@ -226,9 +226,18 @@ def test_nonfinite_input_leaves_earlier_gradients(bad):
     to every earlier token through the state's gradient)."""
     m = mixer("oja_example")
     row = 37
-    x, opts = draw_inputs(m, Case(B=1, T=60, H=1, HV=1, K=8, V=8, initial_state=True, seed=6), DEVICE)
     name, value = {"gv-nan": ("gv", float("nan")), "beta-nan": ("beta", float("nan")),
                    "v-inf": ("v", float("inf")), "k-nan": ("k", float("nan"))}[bad]
+    leaves = earlier_gradients_match(m, 60, name, value, row, bad)
+    assert torch.isnan(leaves[name].grad[0, row]).all()
+
+
+def earlier_gradients_match(m, T, name, value, row, label):
+    """Input `name` set to `value` at token `row` of one sequence of T tokens: every input's
+    gradient before `row`, of a loss on the outputs before it, is finite and the float64
+    reference's on those tokens alone. Returns the leaves (their .grad), for checks at `row`.
+    tests/test_two_sided_bwd.py checks M S N with it too."""
+    x, opts = draw_inputs(m, Case(B=1, T=T, H=1, HV=1, K=8, V=8, initial_state=True, seed=6), DEVICE)
     x[name] = x[name].clone()
     x[name][0, row] = value
     do = torch.randn(1, row, 1, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
@@ -236,11 +245,10 @@ def test_nonfinite_input_leaves_earlier_gradients(bad):
     o, _ = m.chunk(**leaves, **opts)
     (torch.nan_to_num(o[:, :row], nan=0.0, posinf=0.0, neginf=0.0) * do.float()).sum().backward()
     early = {n: t[:, :row].double().requires_grad_() for n, t in x.items()}
-    h0 = opts["initial_state"].double()
-    ref_o, _ = m.reference(**early, **dict(opts, initial_state=h0))
+    ref_o, _ = m.reference(**early, **dict(opts, initial_state=opts["initial_state"].double()))
     (ref_o * do).sum().backward()
     for n in x:
         got, ref = leaves[n].grad[:, :row], early[n].grad
-        assert torch.isfinite(got).all(), f"{bad}: d{n} not finite before token {row}"
-        assert rms_ratio(got, ref) < (TOL if n in ("q", "k", "v") else 10 * TOL), (bad, n, rms_ratio(got, ref))
-    assert torch.isnan(leaves[name].grad[0, row]).all()
+        assert torch.isfinite(got).all(), f"{label}: d{n} not finite before token {row}"
+        assert rms_ratio(got, ref) < (TOL if n in ("q", "k", "v") else 10 * TOL), (label, n, rms_ratio(got, ref))
+    return leaves
