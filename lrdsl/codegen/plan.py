@@ -9,6 +9,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from lrdsl.codegen import product
 from lrdsl.codegen import raw as operands
 from lrdsl.codegen.chain import Chain, chain
 from lrdsl.codegen.raw import Raw
@@ -256,6 +257,14 @@ class Plan:
     # bonus (r . c) z on P's diagonal, c (the erase read, unused without an erase) its key vector
     readout_before: bool = False
     bonus_key: str = ""
+    # a product's direct sub-mixer (codegen/product.py) with n = sub_tokens > 0 steps per token: the
+    # staged kernels read row r of an input of sub_steps (the keys, the values) at row r // n of the
+    # tensor of step r % n, element offset off_<name>_<j> from step 0's (the host's _sub_args), and
+    # row r of sub_query (the query) at row r // n of the spec's one tensor. Their argument sub_n is
+    # n there, and 1 where the host is given the interleaved [B, n T, ...] tensors instead
+    sub_tokens: int = 0
+    sub_steps: tuple = ()
+    sub_query: str = ""
 
     # the route's decisions and the tuning, under the names the templates read
     staged = _route_flag("staged")
@@ -383,8 +392,27 @@ class Plan:
     def vector_args(self) -> str:
         """The pointer arguments a per-token-vector helper takes: every input, every aux state, then
         every stored let."""
-        return ", ".join([f"in_{l.name}" for l in self.loads] + [a.ptr for a in self.aux]
-                         + [s[2] for s in self.stored_lets])
+        return ", ".join([f"in_{l.name}" for l in self.loads] + ([self.sub_args] if self.sub_tokens else [])
+                         + [a.ptr for a in self.aux] + [s[2] for s in self.stored_lets])
+
+    @property
+    def sub_args(self) -> str:
+        """The sub-token arguments (plan.sub_tokens): sub_n, then each step input's offsets; "" without."""
+        return ", ".join(["sub_n"] + [f"off_{x}_{j}" for x in self.sub_steps for j in range(1, self.sub_tokens)]
+                         if self.sub_tokens else [])
+
+    def sub_row(self, name: str, ptr: str, rows: str, heads: str, head: str, width: str) -> str:
+        """The address of row `rows` ([heads, width] rows) of input `name` at `ptr` where the plan
+        reads it by sub-token (plan.sub_tokens), else "" (the caller's row-major text stands)."""
+        if name not in self.sub_steps and name != self.sub_query:
+            return ""
+        at = f"{ptr} + ({rows} // sub_n * {heads} + {head}) * {width}"
+        if name == self.sub_query:
+            return at
+        off = "0"
+        for j in range(self.sub_tokens - 1, 0, -1):
+            off = f"tl.where({rows} % sub_n == {j}, off_{name}_{j}, {off})"
+        return f"{at} + {off}"
 
     @property
     def kernel_lets(self) -> tuple:
@@ -465,7 +493,16 @@ def plan(m: ir.Mixer) -> Plan:
         **_n_fields(m),
         readout_before=before is not None,
         bonus_key=code(before.bonus_key) if before is not None and before.bonus_key is not None else "",
+        **_sub_fields(m),
     )
+
+
+def _sub_fields(m: ir.Mixer) -> dict:
+    """plan.sub_tokens and the inputs it reads by sub-token: those of codegen/product.py's direct
+    sub-mixer (a staged spec only: the other kernels read interleaved tensors)."""
+    if not m.sub_tokens or _not_staged(m):
+        return {}
+    return dict(sub_tokens=m.sub_tokens, sub_steps=(product.C, product.Z), sub_query=product.Q)
 
 
 def _n_fields(m: ir.Mixer) -> dict:
