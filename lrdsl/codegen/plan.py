@@ -263,7 +263,7 @@ class Plan:
     # row r of sub_query (the query) at row r // n of the spec's one tensor. Their argument sub_n is
     # n there, and 1 where the host is given the interleaved [B, n T, ...] tensors instead
     sub_tokens: int = 0
-    sub_steps: tuple = ()
+    sub_steps: tuple = ()  # (the erase and write key, the write value: dz is its gradient)
     sub_query: str = ""
 
     # the route's decisions and the tuning, under the names the templates read
@@ -399,12 +399,12 @@ class Plan:
     def sub_args(self) -> str:
         """The sub-token arguments (plan.sub_tokens): sub_n, then each step input's offsets; "" without."""
         return ", ".join(["sub_n"] + [f"off_{x}_{j}" for x in self.sub_steps for j in range(1, self.sub_tokens)]
-                         if self.sub_tokens else [])
+                         + [f"step_{x}" for x in self.sub_steps] if self.sub_tokens else [])
 
     def sub_row(self, name: str, ptr: str, rows: str, heads: str, head: str, width: str) -> str:
         """The address of row `rows` ([heads, width] rows) of input `name` at `ptr` where the plan
         reads it by sub-token (plan.sub_tokens), else "" (the caller's row-major text stands)."""
-        if name not in self.sub_steps and name != self.sub_query:
+        if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
             return ""
         at = f"{ptr} + ({rows} // sub_n * {heads} + {head}) * {width}"
         if name == self.sub_query:
@@ -413,6 +413,20 @@ class Plan:
         for j in range(self.sub_tokens - 1, 0, -1):
             off = f"tl.where({rows} % sub_n == {j}, off_{name}_{j}, {off})"
         return f"{at} + {off}"
+
+    def sub_grad(self, name: str, ptr: str, rows: str, width: str, tail: str) -> str:
+        """Where the gradient of row `rows` of input `name` goes (its [HV, width] rows at `ptr`, plus
+        `tail`) where the plan reads that input by sub-token, else "": a step input's in the step's
+        slice of one [n, ...] tensor (step_<name> elements apart), the query's at its token (the last
+        sub-token's alone: sub_grad_mask; the others have none, their outputs being unread)."""
+        if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
+            return ""
+        at = f"{ptr} + ({rows} // sub_n * HV + i_hv) * {width}"
+        return f"{at} + {tail}" if name == self.sub_query else f"{at} + {rows} % sub_n * step_{name} + {tail}"
+
+    def sub_grad_mask(self, name: str, rows: str) -> str:
+        """The mask's factor of sub_grad's store: the query's gradient at the last sub-token alone."""
+        return f" & ({rows} % sub_n == sub_n - 1)" if self.sub_tokens and name == self.sub_query else ""
 
     @property
     def kernel_lets(self) -> tuple:
