@@ -5,6 +5,7 @@ feature flags and the tile sizes. Features that are off leave no trace in the re
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -470,7 +471,7 @@ def plan(m: ir.Mixer) -> Plan:
     raw_query = operands.raw_query(m) if not not_staged else None
     raw_wy = operands.raw_wy(m) if not not_staged else ()
     before = fused(m)
-    return Plan(
+    p = Plan(
         mixer=m.name,
         summary=summary,
         loads=loads,
@@ -507,16 +508,19 @@ def plan(m: ir.Mixer) -> Plan:
         **_n_fields(m),
         readout_before=before is not None,
         bonus_key=code(before.bonus_key) if before is not None and before.bonus_key is not None else "",
-        **_sub_fields(m),
     )
+    return _with_sub_tokens(m, p)
 
 
-def _sub_fields(m: ir.Mixer) -> dict:
-    """plan.sub_tokens and the inputs it reads by sub-token: those of codegen/product.py's direct
-    sub-mixer (a staged spec only: the other kernels read interleaved tensors)."""
-    if not m.sub_tokens or _not_staged(m):
-        return {}
-    return dict(sub_tokens=m.sub_tokens, sub_steps=(product.C, product.Z), sub_query=product.Q)
+def _with_sub_tokens(m: ir.Mixer, p: Plan) -> Plan:
+    """p with plan.sub_tokens and the inputs it reads by sub-token (those of codegen/product.py's
+    direct sub-mixer) where its staged kernels are those that have the holes: an erase, a decay per
+    token, stage 3 split (staged_de stores dz, staged_dk's chain rule the others) and the query's
+    gradient made where r's is (plan.chain_at_dr). Elsewhere the runtime gives interleaved tensors."""
+    if not (m.sub_tokens and p.staged and p.delta and p.decay_kind == "scalar" and p.split_dk and p.split_dr
+            and p.chain_in_dk and p.chain_at_dr is not None and p.chain_at_dr.name == product.Q):
+        return p
+    return dataclasses.replace(p, sub_tokens=m.sub_tokens, sub_steps=(product.C, product.Z), sub_query=product.Q)
 
 
 def _n_fields(m: ir.Mixer) -> dict:
