@@ -425,6 +425,15 @@ class Plan:
         at = f"{ptr} + ({rows} // sub_n * HV + i_hv) * {width}"
         return f"{at} + {tail}" if name == self.sub_query else f"{at} + {rows} % sub_n * step_{name} + {tail}"
 
+    def sub_out(self, ptr: str) -> tuple:
+        """(address, mask factor) of o's or dO's row `rows` (value tile o_v) at `ptr` with
+        plan.sub_tokens: row r // n, the last sub-token of each token alone (the readout of a token
+        is its last sub-token's), else ("", "")."""
+        if not self.sub_tokens:
+            return "", ""
+        return (f"{ptr} + (rows[:, None] // sub_n * HV + i_hv) * V + o_v[None, :]",
+                " & (rows[:, None] % sub_n == sub_n - 1)")
+
     def sub_grad_mask(self, name: str, rows: str) -> str:
         """The mask's factor of sub_grad's store: the query's gradient at the last sub-token alone."""
         return f" & ({rows} % sub_n == sub_n - 1)" if self.sub_tokens and name == self.sub_query else ""

@@ -205,30 +205,28 @@ def _per_step(mixer, batch):
 
 
 class _StepsChunk(torch.autograd.Function):
-    """The direct sub-mixer's staged chunk on _per_step's tensors, forward and backward: o at the
-    last sub-token of each token; the keys' and values' gradients come from the kernels as one
-    [n, ...] tensor each, step j's its slice j (no copy), the query's at its token."""
+    """The direct sub-mixer's staged chunk on _per_step's tensors, forward and backward: the kernels
+    store o of each token's last sub-token and read dO there alone (plan.sub_out); the keys' and
+    values' gradients come as one [n, ...] tensor each, step j's its slice j (no copy), the query's
+    at its token."""
 
     @staticmethod
     def forward(ctx, mixer, names, checked, scale, cu, output_final_state, h0, *tensors):
-        module, n = mixer.product.kernels, mixer.ir.n_steps
+        module = mixer.product.kernels
         h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
         r = module.chunk_fwd(dict(zip(names, tensors)), scale, h0c, output_final_state, cu)
         ctx.save_for_backward(*tensors)
         ctx.info = (mixer, names, checked, scale, cu, h0c, None if h0 is None else h0.dtype, r.residual)
         ctx.set_materialize_grads(False)
-        return last(r.o, n).contiguous(), r.final_state
+        return r.o, r.final_state
 
     @staticmethod
     def backward(ctx, do, dht):
         mixer, names, checked, scale, cu, h0, h0_dtype, residual = ctx.info
-        module, sub, n = mixer.product.kernels, mixer.product.ir, mixer.ir.n_steps
+        module, sub = mixer.product.kernels, mixer.product.ir
         tensors = list(ctx.saved_tensors)
-        B, T, HV, V = tensors[2].shape
-        do_sub = torch.zeros(B, n * T, HV, V, dtype=do.dtype if do is not None else tensors[2].dtype,
-                             device=tensors[2].device)
-        if do is not None:
-            do_sub[:, n - 1::n] = do
+        if do is None:
+            do = torch.zeros_like(tensors[2])
         # the backward on finite copies, nan at each bad entry (runtime/nonfinite.py's device mode);
         # the residual is this backward's alone: zeroed in place where an input is bad
         finite, bad = nonfinite.device_copies(sub, checked, tensors)
@@ -236,7 +234,7 @@ class _StepsChunk(torch.autograd.Function):
         if residual is not None and flags:
             residual = nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
         inputs = dict(zip(names, finite))
-        vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do_sub, dht, cu, None, residual)
+        vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do, dht, cu, None, residual)
         g = module.chain_rule(inputs, scale, vgrads)
         grads = [g[x] if ":" not in x and x not in (cp.C, cp.Z) else g[x.split(":")[0]][int(x[2:] or 0)]
                  for x in names]
