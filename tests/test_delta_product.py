@@ -299,10 +299,10 @@ def test_a_wrong_step_order_is_caught(mixers):
 
 
 # ---- the direct sub-mixer without interleaved copies (plan.sub_tokens) -------------------------------
-def _interleaved_copies(fn, n: int, T: int, widths: tuple) -> list:
-    """The copies into a sequence of n T sub-tokens of vectors of the given widths (K, V) that running
-    fn makes: torch.stack and torch.cat of [B, T, heads, K|V] tensors (spied on), and copies and
-    clones of [B, n T, heads, K|V] ones (torch.profiler, which records no shapes of a list's tensors)."""
+def _interleaved_copies(fn, rows: tuple, widths: tuple) -> list:
+    """The copies of vectors of the given widths (K, V) that running fn makes: torch.stack and
+    torch.cat of [B, T, heads, K|V] tensors (spied on), and copies and clones of [B, rows, heads,
+    K|V] ones (torch.profiler, which records no shapes of a list's tensors)."""
     from unittest import mock
 
     from torch.profiler import ProfilerActivity, profile
@@ -317,7 +317,7 @@ def _interleaved_copies(fn, n: int, T: int, widths: tuple) -> list:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             fn()
     found += [(e.name, s) for e in prof.events() if e.name in ("aten::copy_", "aten::clone")
-              for s in e.input_shapes if isinstance(s, list) and len(s) == 4 and s[1] == n * T and s[-1] in widths]
+              for s in e.input_shapes if isinstance(s, list) and len(s) == 4 and s[1] in rows and s[-1] in widths]
     return found
 
 
@@ -329,17 +329,24 @@ def _loss_backward(mixer, x, opts):
 
 def test_direct_chunk_makes_no_interleaved_copy(mixers, monkeypatch):
     """chunk's forward and backward of delta_product3 copy no q, k or v into a sequence of n T
-    sub-tokens: the kernels read step j of token t from the spec's own tensors. The same count on the
-    copying path (sub-token reads off) finds the stacks, so the count sees them where they are."""
+    sub-tokens: the kernels read step j of token t from the spec's own tensors, in place also where
+    they are slices of one tensor. The same count on the copying path (sub-token reads off) finds
+    the stacks, so the count sees them where they are."""
     import lrdsl.runtime.product as rp
     mixer = mixers("delta_product3")
     case = Case(B=1, T=20, H=1, HV=1, K=16, V=8, initial_state=True, seed=11)
     x, opts = draw_inputs(mixer, case, DEVICE)
     opts = dict(opts, output_final_state=True)
     run = lambda: _loss_backward(mixer, x, opts)  # noqa: E731
-    assert _interleaved_copies(run, 3, case.T, (case.K, case.V)) == []
-    monkeypatch.setattr(rp, "_per_step", lambda mixer, batch: None)
-    assert len(_interleaved_copies(run, 3, case.T, (case.K, case.V))) >= 3
+    assert _interleaved_copies(run, (3 * case.T,), (case.K, case.V)) == []
+    # keys and values in FLA's layout, slices of one [B, T, n, H, K] tensor: read in place (no copy
+    # of any length in the forward; the backward's finite copies, runtime/nonfinite.py, are its own)
+    inputs, _, _ = _slices(2)(x)
+    with torch.no_grad():
+        assert _interleaved_copies(lambda: mixer.chunk(**inputs, **opts), (case.T, 3 * case.T), (case.K, case.V)) == []
+        monkeypatch.setattr(rp, "_per_step", lambda mixer, batch: None)
+        assert len(_interleaved_copies(lambda: mixer.chunk(**inputs, **opts), (3 * case.T,), (case.K, case.V))) >= 3
+    assert len(_interleaved_copies(run, (3 * case.T,), (case.K, case.V))) >= 3
 
 
 def _check_layout(mixer, case, make):

@@ -400,14 +400,17 @@ class Plan:
     def sub_args(self) -> str:
         """The sub-token arguments (plan.sub_tokens): sub_n, then each step input's offsets; "" without."""
         return ", ".join(["sub_n"] + [f"off_{x}_{j}" for x in self.sub_steps for j in range(1, self.sub_tokens)]
-                         + [f"step_{x}" for x in self.sub_steps] if self.sub_tokens else [])
+                         + [f"step_{x}" for x in self.sub_steps]
+                         + [f"rs_{x}" for x in (self.sub_query, *self.sub_steps)] if self.sub_tokens else [])
 
     def sub_row(self, name: str, ptr: str, rows: str, heads: str, head: str, width: str) -> str:
         """The address of row `rows` ([heads, width] rows) of input `name` at `ptr` where the plan
-        reads it by sub-token (plan.sub_tokens), else "" (the caller's row-major text stands)."""
+        reads it by sub-token (plan.sub_tokens), else "" (the caller's row-major text stands). Its
+        tokens are rs_<name> elements apart (heads x width where contiguous; more for slices of one
+        [B, T, n, heads, width] tensor), its heads width apart."""
         if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
             return ""
-        at = f"{ptr} + ({rows} // sub_n * {heads} + {head}) * {width}"
+        at = f"{ptr} + {rows} // sub_n * rs_{name} + {head} * {width}"
         if name == self.sub_query:
             return at
         off = "0"

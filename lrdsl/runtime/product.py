@@ -188,8 +188,10 @@ def _per_step(mixer, batch):
     def steps(names):  # each at the sub-mixer's heads: a shared one repeated where another is not
         if spread and all(x in shared for x in names):
             return None
-        xs = [(t[x].repeat_interleave(batch.HV // batch.H, dim=2) if spread and x in shared else t[x]).contiguous()
-              for x in names]
+        xs = [t[x].repeat_interleave(batch.HV // batch.H, dim=2) if spread and x in shared else t[x] for x in names]
+        xs = [_rows(x) for x in xs]
+        if len({x.stride(1) for x in xs}) != 1:
+            xs = [x.contiguous() for x in xs]
         if len({x.dtype for x in xs}) != 1 or any((x.data_ptr() - xs[0].data_ptr()) % x.element_size() for x in xs):
             return None
         return xs
@@ -199,9 +201,19 @@ def _per_step(mixer, batch):
     low = torch.float64 if t[query].dtype == torch.float64 else torch.float32
     rest = _gains_and_decay(plan, t, batch.H, batch.HV, low, len(keys))
     names = [cp.Q, cp.C, cp.Z, *rest, *(f"{x}:{j}" for j in range(1, len(keys)) for x in (cp.C, cp.Z))]
-    tensors = [t[query].contiguous(), ks[0], vs[0], *(x.contiguous() for x in rest.values()),
+    tensors = [_rows(t[query]), ks[0], vs[0], *(x.contiguous() for x in rest.values()),
                *(x for j in range(1, len(keys)) for x in (ks[j], vs[j]))]
     return names, [x.split(":")[0] for x in names], tensors
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D] as the sub-token kernels read it: each token's heads and channels
+    contiguous, tokens any distance apart and batches T tokens apart (a slice of one [B, T, n, heads,
+    D] tensor, FLA's interleaved layout, is read in place), else a contiguous copy."""
+    B, T, heads, D = x.shape
+    inner = (D == 1 or x.stride(3) == 1) and (heads == 1 or x.stride(2) == D)
+    outer = x.stride(1) >= heads * D and (B == 1 or x.stride(0) == T * x.stride(1))
+    return x if inner and outer else x.contiguous()
 
 
 class _StepsChunk(torch.autograd.Function):
