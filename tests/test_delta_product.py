@@ -470,6 +470,41 @@ def test_bf16_chunk_against_fla_chunk_gpu(name):
         assert rms_ratio(leaves[n].grad, leaves_f[n].grad) < 2e-2, n
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name, layout, HV, packed", [("delta_product2", "separate", 8, False),
+                                                      ("delta_product3", "separate", 4, True),
+                                                      ("delta_product2", "steps-inside", 4, False)])
+def test_sub_token_chunk_equals_the_copying_path_gpu(name, layout, HV, packed, monkeypatch):
+    """bf16, B=2 T=2048 H=4 K=V=128 (packed: one row of 4096 tokens, three sequences): the sub-token
+    kernels on the spec's own tensors (or on slices of one [B, T, n, H, K] tensor, read in place)
+    give o, the final state and every gradient of the copying path (the same kernels on interleaved
+    copies: _per_step off), up to 1e-3 (the same products in the same order)."""
+    import lrdsl.runtime.product as rp
+    mixer = lrdsl.compile(EXAMPLES / f"{name}.lr")
+    x, h0 = _gpu_inputs(mixer, HV=HV)
+    opts = dict(initial_state=h0, output_final_state=True)
+    if packed:
+        x = {n: t.reshape(1, 4096, *t.shape[2:]) for n, t in x.items()}
+        opts = dict(opts, initial_state=torch.randn(3, HV, 128, 128, device="cuda"),
+                    cu_seqlens=torch.tensor([0, 700, 2048 + 1500, 4096], device="cuda"))
+    make = _separate if layout == "separate" else _slices(2)
+    results = []
+    for per_step in (True, False):
+        if not per_step:
+            monkeypatch.setattr(rp, "_per_step", lambda mixer, batch: None)
+        inputs, leaves, unpack = make(x)
+        o, s = mixer.chunk(**inputs, **opts)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        do, dS = torch.randn(o.shape, generator=gen, device="cuda"), torch.randn(s.shape, generator=gen, device="cuda")
+        ((o.float() * do).sum() + (s * dS).sum()).backward()
+        results.append((o, s, unpack({n: t.grad for n, t in leaves.items()})))
+    (o1, s1, g1), (o2, s2, g2) = results
+    assert rms_ratio(o1, o2) < 1e-3 and rms_ratio(s1, s2) < 1e-3
+    for n in g2:
+        assert rms_ratio(g1[n], g2[n]) < 1e-3, n
+
+
 def test_a_first_step_without_erase():
     """(I - b k2 k2^T) (exp(g) S + k v^T) + b k2 v2^T: the first step writes without erasing (its
     sub-token reads c = 0 along a = k); every path and gradient against the reference."""
