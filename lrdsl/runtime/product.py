@@ -173,10 +173,12 @@ def _per_step(mixer, batch):
     and the query once per token): (names for the kernels, names for the non-finite checks, tensors),
     or None where chunk takes the interleaved copies (sub_inputs): no sub-token kernels, K past the
     staged kernels, torch.compile or another transform or mode (the custom op's path), the
-    non-finite checks' host mode, keys or values of different dtypes, keys shared by grouped value
-    heads (their gradient per value head has no [n, ...] form here)."""
+    non-finite checks' host mode, keep_intermediates (what the forward keeps holds the offsets of
+    the tensors it read, not of the backward's finite copies), keys or values of different dtypes,
+    keys shared by grouped value heads (their gradient per value head has no [n, ...] form here)."""
     plan, module = mixer.product_plan, mixer.product.kernels
-    if plan.direct is None or not getattr(module, "SUB_TOKENS", 0) or batch.K > module.STAGED_MAX_K:
+    if (plan.direct is None or not getattr(module, "SUB_TOKENS", 0) or batch.K > module.STAGED_MAX_K
+            or mixer.keep_intermediates):
         return None
     query, keys, values, _, _ = plan.direct
     t = batch.tensors
