@@ -411,6 +411,29 @@ def test_direct_chunk_gradients_on_every_layout(mixers, layout):
     assert not bad, bad
 
 
+def test_direct_chunk_with_non_finite_inputs_equals_the_copying_path(mixers, monkeypatch):
+    """A nan in a later step's key and an inf in a value: the sub-token path's o and gradients (those
+    of a loss on the outputs before them; nan at the bad entries alone, runtime/nonfinite.py) are
+    the copying path's, entry for entry."""
+    import lrdsl.runtime.product as rp
+    mixer = mixers("delta_product2")
+    x, opts = draw_inputs(mixer, Case(B=1, T=20, H=1, HV=2, K=16, V=8, initial_state=True, seed=3), DEVICE)
+    x["k2"][0, 9, 0, 3] = float("nan")
+    x["v"][0, 12, 1, 2] = float("inf")
+
+    def run():
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        o, _ = mixer.chunk(**leaves, **opts)
+        o[:, :9].sum().backward()
+        return {"o": o, **{n: t.grad for n, t in leaves.items()}}
+    new = run()
+    monkeypatch.setattr(rp, "_per_step", lambda mixer, batch: None)
+    old = run()
+    assert int(new["k2"].isnan().sum()) == 1 and int(new["v"].isnan().sum()) == 1
+    for n in new:
+        torch.testing.assert_close(new[n], old[n], rtol=1e-6, atol=1e-6, equal_nan=True, msg=n)
+
+
 # ---- GPU (the device machine: LRDSL_TEST_DEVICE=cuda pytest -m gpu tests/test_delta_product.py) -----
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 

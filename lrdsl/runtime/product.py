@@ -235,6 +235,7 @@ class _StepsChunk(torch.autograd.Function):
         return r.o, r.final_state
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
         mixer, names, checked, scale, cu, h0, h0_dtype, residual = ctx.info
         module, sub = mixer.product.kernels, mixer.product.ir
