@@ -251,8 +251,11 @@ class _StepsChunk(torch.autograd.Function):
         inputs = dict(zip(names, finite))
         vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do, dht, cu, None, residual)
         g = module.chain_rule(inputs, scale, vgrads)
-        grads = [g[x] if ":" not in x and x not in (cp.C, cp.Z) else g[x.split(":")[0]][int(x[2:] or 0)]
-                 for x in names]
+
+        def grad(x):  # "k:j" (step j's key) is slice j of the keys' [n, ...] gradient, "k" slice 0
+            name, _, j = x.partition(":")
+            return g[name][int(j or 0)] if name in (cp.C, cp.Z) else g[name]
+        grads = [grad(x) for x in names]
         grads = nonfinite.device_nan_at(sub, checked, tensors, grads, bad)
         grads = [gr if need else None for gr, need in zip(grads, ctx.needs_input_grad[7:])]
         dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[6] else None
