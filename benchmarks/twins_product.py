@@ -2,10 +2,14 @@
 chunk_gated_delta_product (lrdsl/bench.py TWINS), bf16, K = V = 128, at B=4 T=4096 H=16 and
 B=1 T=16384 H=32: GPU time (ms, summed kernel durations under torch.profiler) of the forward and of
 forward + backward, peak extra memory (GiB) and the rms ratio of lrdsl's output to FLA's, in
-benchmarks/twins_rwkv.py's table. Two more figures per row say where lrdsl's time goes: its
-sub-mixer alone on sub-token inputs made beforehand ("sub alone": the kernels of the n sub-tokens
-per token, without the PyTorch gather that makes their inputs) and FLA's chunk_gated_delta_rule on
-FLA's own interleaved inputs (FLA's chunk_ref, the same sub-token scheme on FLA's one-step kernels).
+benchmarks/twins_rwkv.py's table. lrdsl gets the spec's separate tensors (k, k2, v, v2, ...), as a
+user gives them, FLA its own interleaved layout ([B, T n, H, K]). Three more figures per row say
+where lrdsl's time goes: its sub-mixer alone on sub-token inputs made beforehand ("sub alone": the
+kernels of the n sub-tokens per token, without the PyTorch glue around them), lrdsl's chunk on the
+interleaved copies of q, k and v that it made before its kernels read the spec's tensors themselves
+("with copies": 2026-12-06, runtime/product.py's _per_step turned off), and FLA's
+chunk_gated_delta_rule on FLA's own interleaved inputs (FLA's chunk_ref, the same sub-token scheme
+on FLA's one-step kernels).
 GPU only:
     python3 benchmarks/twins_product.py [--shapes "4,4096,16,128,128 1,16384,32,128,128"] [SPEC ...]
 On the device machine: BUDGET=540 benchmarks/device/twins_product.sh (benchmarks/device/README.md).
@@ -22,6 +26,7 @@ from twins_rwkv import HEAD, log, row, table_row
 import lrdsl
 from lrdsl.bench import TWINS, _fla, draw, measure, parse_shape
 from lrdsl.codegen import product as cp
+from lrdsl.runtime import product as rp
 from lrdsl.runtime.product import sub_inputs
 
 SPECS = ["examples/delta_product2.lr", "examples/delta_product3.lr"]
@@ -34,6 +39,17 @@ def sub_alone(mixer, x: dict, s) -> dict:
     sub = mixer.product
     return measure(lambda t: sub.chunk(t[cp.Q], t[cp.C], t[cp.Z], **{n: v for n, v in t.items()
                                                                      if n not in (cp.Q, cp.C, cp.Z)})[0], sx, s, True)
+
+
+def with_copies(mixer, x: dict, s) -> dict:
+    """lrdsl's chunk on the interleaved [B, n T, ...] copies of q, k and v (runtime/product.py's
+    sub_inputs, the path before the sub-token kernels): what reading the spec's tensors saves."""
+    keep = rp._per_step
+    rp._per_step = lambda mixer, batch: None
+    try:
+        return measure(lambda t: mixer.chunk(**t)[0], x, s, True)
+    finally:
+        rp._per_step = keep
 
 
 def fla_interleaved(mixer, x: dict, s) -> dict:
@@ -73,7 +89,7 @@ def main() -> int:
             rows.append(row(mixer, s, mixer.name, False))
             log("  row: " + table_row(rows[-1]))
             x = draw(mixer, s)
-            figures = {"sub alone": sub_alone(mixer, x, s)}
+            figures = {"sub alone": sub_alone(mixer, x, s), "with copies": with_copies(mixer, x, s)}
             try:
                 figures["FLA one-step interleaved"] = fla_interleaved(mixer, x, s)
             except Exception as e:  # FLA's failure must not hide lrdsl's figure

@@ -309,6 +309,10 @@ def kernels_text(m) -> str:
         first, rest = kernels_text(sub).split("\n", 1)
         reads = (f"k and v the spec's {', '.join(d.keys)} and {', '.join(d.values)} as they come, beta "
                  f"{', '.join(map(str, d.gains))}" if d else "each step's vectors, computed in PyTorch (float32)")
+        from lrdsl.codegen.plan import plan
+        if d and plan(sub).sub_tokens:
+            reads += (";\n           chunk's staged kernels read step j of token t from the spec's own tensors "
+                      "(no\n           interleaved copy of q, k, v or o: plan.sub_tokens)")
         return (f"{first}\n           of the one-step sub-mixer, on {m.n_steps} sub-tokens per token (the {m.n_steps} "
                 f"steps; lrdsl/codegen/product.py):\n           {update}, the log-decay g on the first "
                 f"sub-token, o read at the last;\n           its inputs: {reads}\n" + rest)

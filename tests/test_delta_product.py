@@ -298,6 +298,142 @@ def test_a_wrong_step_order_is_caught(mixers):
     assert rms_ratio(o_fla, o) > 1e-2
 
 
+# ---- the direct sub-mixer without interleaved copies (plan.sub_tokens) -------------------------------
+def _interleaved_copies(fn, rows: tuple, widths: tuple) -> list:
+    """The copies of vectors of the given widths (K, V) that running fn makes: torch.stack and
+    torch.cat of [B, T, heads, K|V] tensors (spied on), and copies and clones of [B, rows, heads,
+    K|V] ones (torch.profiler, which records no shapes of a list's tensors)."""
+    from unittest import mock
+
+    from torch.profiler import ProfilerActivity, profile
+    found = []
+
+    def spy(real):
+        def call(tensors, *args, **kwargs):
+            found.extend((real.__name__, tuple(t.shape)) for t in tensors if t.dim() == 4 and t.shape[-1] in widths)
+            return real(tensors, *args, **kwargs)
+        return call
+    with mock.patch.object(torch, "stack", spy(torch.stack)), mock.patch.object(torch, "cat", spy(torch.cat)):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            fn()
+    found += [(e.name, s) for e in prof.events() if e.name in ("aten::copy_", "aten::clone")
+              for s in e.input_shapes if isinstance(s, list) and len(s) == 4 and s[1] in rows and s[-1] in widths]
+    return found
+
+
+def _loss_backward(mixer, x, opts):
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, s = mixer.chunk(**leaves, **opts)
+    ((o * o).sum() + s.sum()).backward()
+
+
+def test_direct_chunk_makes_no_interleaved_copy(mixers, monkeypatch):
+    """chunk's forward and backward of delta_product3 copy no q, k or v into a sequence of n T
+    sub-tokens: the kernels read step j of token t from the spec's own tensors, in place also where
+    they are slices of one tensor. The same count on the copying path (sub-token reads off) finds
+    the stacks, so the count sees them where they are."""
+    import lrdsl.runtime.product as rp
+    mixer = mixers("delta_product3")
+    case = Case(B=1, T=20, H=1, HV=1, K=16, V=8, initial_state=True, seed=11)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    opts = dict(opts, output_final_state=True)
+    run = lambda: _loss_backward(mixer, x, opts)  # noqa: E731
+    assert _interleaved_copies(run, (3 * case.T,), (case.K, case.V)) == []
+    # keys and values in FLA's layout, slices of one [B, T, n, H, K] tensor: read in place (no copy
+    # of any length in the forward; the backward's finite copies, runtime/nonfinite.py, are its own)
+    inputs, _, _ = _slices(2)(x)
+    with torch.no_grad():
+        assert _interleaved_copies(lambda: mixer.chunk(**inputs, **opts), (case.T, 3 * case.T), (case.K, case.V)) == []
+        monkeypatch.setattr(rp, "_per_step", lambda mixer, batch: None)
+        assert len(_interleaved_copies(lambda: mixer.chunk(**inputs, **opts), (3 * case.T,), (case.K, case.V))) >= 3
+    assert len(_interleaved_copies(run, (3 * case.T,), (case.K, case.V))) >= 3
+
+
+def _check_layout(mixer, case, make):
+    """chunk's o, final state and every input's gradient against the float64 reference, with the
+    keys and values made by make(x) -> (inputs, leaves, grads of the leaves -> grads by input)."""
+    from test_dplr import reference64
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    opts = dict(opts, output_final_state=True)
+    ref_o, ref_s, ref_leaves = reference64(mixer, x, opts)
+    do, dS = torch.randn_like(ref_o), torch.randn_like(ref_s)
+    ((ref_o * do).sum() + (ref_s * dS).sum()).backward()
+    inputs, leaves, unpack = make(x)
+    o, s = mixer.chunk(**inputs, **opts)
+    ((o * do.float()).sum() + (s * dS.float()).sum()).backward()
+    grads = unpack({n: t.grad for n, t in leaves.items()})
+    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s)}
+    errs.update({"d" + n: rms_ratio(grads[n], ref_leaves[n].grad) for n in x})
+    return failing(errs)
+
+
+def _separate(x):
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    return leaves, leaves, lambda g: g
+
+
+def _transposed(x):
+    """Every input a non-contiguous view ([B, heads, T, ...] storage)."""
+    leaves = {n: t.transpose(1, 2).contiguous().requires_grad_() for n, t in x.items()}
+    return ({n: t.transpose(1, 2) for n, t in leaves.items()}, leaves,
+            lambda g: {n: t.transpose(1, 2) for n, t in g.items()})
+
+
+def _slices(dim):
+    """The keys and values as slices of one tensor each: [n, B, T, ...] (dim 0: contiguous steps) or
+    [B, T, n, ...] (dim 2: FLA's interleaved layout)."""
+    def make(x):
+        groups = {"K": ("k", "k2", "k3"), "V": ("v", "v2", "v3")}
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items() if n not in groups["K"] + groups["V"]}
+        inputs = dict(leaves)
+        for kind, names in groups.items():
+            names = [n for n in names if n in x]
+            leaves[kind] = torch.stack([x[n] for n in names], dim).requires_grad_()
+            inputs.update({n: leaves[kind].select(dim, j) for j, n in enumerate(names)})
+
+        def unpack(g):
+            out = {n: t for n, t in g.items() if n not in groups}
+            for kind, names in groups.items():
+                out.update({n: g[kind].select(dim, j) for j, n in enumerate(n for n in names if n in x)})
+            return out
+        return inputs, leaves, unpack
+    return make
+
+
+@pytest.mark.parametrize("layout", ["separate", "transposed", "steps-first", "steps-inside"])
+def test_direct_chunk_gradients_on_every_layout(mixers, layout):
+    """Keys and values allocated apart, non-contiguous, or slices of one tensor (the steps first, or
+    FLA's [B, T, n, H, K]): chunk's output, final state and every gradient match the reference."""
+    make = {"separate": _separate, "transposed": _transposed, "steps-first": _slices(0),
+            "steps-inside": _slices(2)}[layout]
+    case = Case(B=2, T=13, H=2, HV=2, K=16, V=8, initial_state=True, seed=12)
+    bad = _check_layout(mixers("delta_product2"), case, make)
+    assert not bad, bad
+
+
+def test_direct_chunk_with_non_finite_inputs_equals_the_copying_path(mixers, monkeypatch):
+    """A nan in a later step's key and an inf in a value: the sub-token path's o and gradients (those
+    of a loss on the outputs before them; nan at the bad entries alone, runtime/nonfinite.py) are
+    the copying path's, entry for entry."""
+    import lrdsl.runtime.product as rp
+    mixer = mixers("delta_product2")
+    x, opts = draw_inputs(mixer, Case(B=1, T=20, H=1, HV=2, K=16, V=8, initial_state=True, seed=3), DEVICE)
+    x["k2"][0, 9, 0, 3] = float("nan")
+    x["v"][0, 12, 1, 2] = float("inf")
+
+    def run():
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        o, _ = mixer.chunk(**leaves, **opts)
+        o[:, :9].sum().backward()
+        return {"o": o, **{n: t.grad for n, t in leaves.items()}}
+    new = run()
+    monkeypatch.setattr(rp, "_per_step", lambda mixer, batch: None)
+    old = run()
+    assert int(new["k2"].isnan().sum()) == 1 and int(new["v"].isnan().sum()) == 1
+    for n in new:
+        torch.testing.assert_close(new[n], old[n], rtol=1e-6, atol=1e-6, equal_nan=True, msg=n)
+
+
 # ---- GPU (the device machine: LRDSL_TEST_DEVICE=cuda pytest -m gpu tests/test_delta_product.py) -----
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 
@@ -355,6 +491,41 @@ def test_bf16_chunk_against_fla_chunk_gpu(name):
     (o_f * do).sum().backward()
     for n in ("q", "k", "v", "g"):
         assert rms_ratio(leaves[n].grad, leaves_f[n].grad) < 2e-2, n
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name, layout, HV, packed", [("delta_product2", "separate", 8, False),
+                                                      ("delta_product3", "separate", 4, True),
+                                                      ("delta_product2", "steps-inside", 4, False)])
+def test_sub_token_chunk_equals_the_copying_path_gpu(name, layout, HV, packed, monkeypatch):
+    """bf16, B=2 T=2048 H=4 K=V=128 (packed: one row of 4096 tokens, three sequences): the sub-token
+    kernels on the spec's own tensors (or on slices of one [B, T, n, H, K] tensor, read in place)
+    give o, the final state and every gradient of the copying path (the same kernels on interleaved
+    copies: _per_step off), up to 1e-3 (the same products in the same order)."""
+    import lrdsl.runtime.product as rp
+    mixer = lrdsl.compile(EXAMPLES / f"{name}.lr")
+    x, h0 = _gpu_inputs(mixer, HV=HV)
+    opts = dict(initial_state=h0, output_final_state=True)
+    if packed:
+        x = {n: t.reshape(1, 4096, *t.shape[2:]) for n, t in x.items()}
+        opts = dict(opts, initial_state=torch.randn(3, HV, 128, 128, device="cuda"),
+                    cu_seqlens=torch.tensor([0, 700, 2048 + 1500, 4096], device="cuda"))
+    make = _separate if layout == "separate" else _slices(2)
+    results = []
+    for per_step in (True, False):
+        if not per_step:
+            monkeypatch.setattr(rp, "_per_step", lambda mixer, batch: None)
+        inputs, leaves, unpack = make(x)
+        o, s = mixer.chunk(**inputs, **opts)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        do, dS = torch.randn(o.shape, generator=gen, device="cuda"), torch.randn(s.shape, generator=gen, device="cuda")
+        ((o.float() * do).sum() + (s * dS).sum()).backward()
+        results.append((o, s, unpack({n: t.grad for n, t in leaves.items()})))
+    (o1, s1, g1), (o2, s2, g2) = results
+    assert rms_ratio(o1, o2) < 1e-3 and rms_ratio(s1, s2) < 1e-3
+    for n in g2:
+        assert rms_ratio(g1[n], g2[n]) < 1e-3, n
 
 
 def test_a_first_step_without_erase():

@@ -5,10 +5,12 @@ feature flags and the tile sizes. Features that are off leave no trace in the re
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
 
+from lrdsl.codegen import product
 from lrdsl.codegen import raw as operands
 from lrdsl.codegen.chain import Chain, chain
 from lrdsl.codegen.raw import Raw
@@ -256,6 +258,14 @@ class Plan:
     # bonus (r . c) z on P's diagonal, c (the erase read, unused without an erase) its key vector
     readout_before: bool = False
     bonus_key: str = ""
+    # a product's direct sub-mixer (codegen/product.py) with n = sub_tokens > 0 steps per token: the
+    # staged kernels read row r of an input of sub_steps (the keys, the values) at row r // n of the
+    # tensor of step r % n, element offset off_<name>_<j> from step 0's (the host's _sub_args), and
+    # row r of sub_query (the query) at row r // n of the spec's one tensor. Their argument sub_n is
+    # n there, and 1 where the host is given the interleaved [B, n T, ...] tensors instead
+    sub_tokens: int = 0
+    sub_steps: tuple = ()  # (the erase and write key, the write value: dz is its gradient)
+    sub_query: str = ""
 
     # the route's decisions and the tuning, under the names the templates read
     staged = _route_flag("staged")
@@ -383,8 +393,53 @@ class Plan:
     def vector_args(self) -> str:
         """The pointer arguments a per-token-vector helper takes: every input, every aux state, then
         every stored let."""
-        return ", ".join([f"in_{l.name}" for l in self.loads] + [a.ptr for a in self.aux]
-                         + [s[2] for s in self.stored_lets])
+        return ", ".join([f"in_{l.name}" for l in self.loads] + ([self.sub_args] if self.sub_tokens else [])
+                         + [a.ptr for a in self.aux] + [s[2] for s in self.stored_lets])
+
+    @property
+    def sub_args(self) -> str:
+        """The sub-token arguments (plan.sub_tokens): sub_n, then each step input's offsets; "" without."""
+        return ", ".join(["sub_n"] + [f"off_{x}_{j}" for x in self.sub_steps for j in range(1, self.sub_tokens)]
+                         + [f"step_{x}" for x in self.sub_steps]
+                         + [f"rs_{x}" for x in (self.sub_query, *self.sub_steps)] if self.sub_tokens else [])
+
+    def sub_row(self, name: str, ptr: str, rows: str, heads: str, head: str, width: str) -> str:
+        """The address of row `rows` ([heads, width] rows) of input `name` at `ptr` where the plan
+        reads it by sub-token (plan.sub_tokens), else "" (the caller's row-major text stands). Its
+        tokens are rs_<name> elements apart (heads x width where contiguous; more for slices of one
+        [B, T, n, heads, width] tensor), its heads width apart."""
+        if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
+            return ""
+        at = f"{ptr} + {rows} // sub_n * rs_{name} + {head} * {width}"
+        if name == self.sub_query:
+            return at
+        off = "0"
+        for j in range(self.sub_tokens - 1, 0, -1):
+            off = f"tl.where({rows} % sub_n == {j}, off_{name}_{j}, {off})"
+        return f"{at} + {off}"
+
+    def sub_grad(self, name: str, ptr: str, rows: str, width: str, tail: str) -> str:
+        """Where the gradient of row `rows` of input `name` goes (its [HV, width] rows at `ptr`, plus
+        `tail`) where the plan reads that input by sub-token, else "": a step input's in the step's
+        slice of one [n, ...] tensor (step_<name> elements apart), the query's at its token (the last
+        sub-token's alone: sub_grad_mask; the others have none, their outputs being unread)."""
+        if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
+            return ""
+        at = f"{ptr} + ({rows} // sub_n * HV + i_hv) * {width}"
+        return f"{at} + {tail}" if name == self.sub_query else f"{at} + {rows} % sub_n * step_{name} + {tail}"
+
+    def sub_out(self, ptr: str) -> tuple:
+        """(address, mask factor) of o's or dO's row `rows` (value tile o_v) at `ptr` with
+        plan.sub_tokens: row r // n, the last sub-token of each token alone (the readout of a token
+        is its last sub-token's), else ("", "")."""
+        if not self.sub_tokens:
+            return "", ""
+        return (f"{ptr} + (rows[:, None] // sub_n * HV + i_hv) * V + o_v[None, :]",
+                " & (rows[:, None] % sub_n == sub_n - 1)")
+
+    def sub_grad_mask(self, name: str, rows: str) -> str:
+        """The mask's factor of sub_grad's store: the query's gradient at the last sub-token alone."""
+        return f" & ({rows} % sub_n == sub_n - 1)" if self.sub_tokens and name == self.sub_query else ""
 
     @property
     def kernel_lets(self) -> tuple:
@@ -428,7 +483,7 @@ def plan(m: ir.Mixer) -> Plan:
     raw_query = operands.raw_query(m) if not not_staged else None
     raw_wy = operands.raw_wy(m) if not not_staged else ()
     before = fused(m)
-    return Plan(
+    p = Plan(
         mixer=m.name,
         summary=summary,
         loads=loads,
@@ -466,6 +521,18 @@ def plan(m: ir.Mixer) -> Plan:
         readout_before=before is not None,
         bonus_key=code(before.bonus_key) if before is not None and before.bonus_key is not None else "",
     )
+    return _with_sub_tokens(m, p)
+
+
+def _with_sub_tokens(m: ir.Mixer, p: Plan) -> Plan:
+    """p with plan.sub_tokens and the inputs it reads by sub-token (those of codegen/product.py's
+    direct sub-mixer) where its staged kernels are those that have the holes: an erase, a decay per
+    token, stage 3 split (staged_de stores dz, staged_dk's chain rule the others) and the query's
+    gradient made where r's is (plan.chain_at_dr). Elsewhere the runtime gives interleaved tensors."""
+    if not (m.sub_tokens and p.staged and p.delta and p.decay_kind == "scalar" and p.split_dk and p.split_dr
+            and p.chain_in_dk and p.chain_at_dr is not None and p.chain_at_dr.name == product.Q):
+        return p
+    return dataclasses.replace(p, sub_tokens=m.sub_tokens, sub_steps=(product.C, product.Z), sub_query=product.Q)
 
 
 def _n_fields(m: ir.Mixer) -> dict:

@@ -129,4 +129,4 @@ def sub_ir(m: ir.Mixer) -> ir.Mixer:
     delta = ir.Delta(a, ir.symbol(C), order) if has_erase else None
     write = ir.Write(ir.symbol(U) if both else a, ir.symbol(Z))
     return ir.Mixer(f"{m.name}_steps", tuple(inputs), (), (), decay, delta, write, ir.symbol(Q),
-                    allow_unstable=True)
+                    allow_unstable=True, sub_tokens=m.n_steps if d is not None else 0)

@@ -198,6 +198,9 @@ class Mixer:
     # the steps after the first (decay, delta, write) of each token's update, in order: the token's
     # transition is the product of n = 1 + len(steps) rank-1 factors, each followed by its write
     steps: tuple = ()  # Step, ...
+    # a product's direct sub-mixer (codegen/product.py): its staged chunk kernels may read the n
+    # sub-tokens of each token from the spec's own tensors (plan.sub_tokens); 0 elsewhere
+    sub_tokens: int = 0
 
     @property
     def n_steps(self) -> int:

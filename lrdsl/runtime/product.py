@@ -14,6 +14,8 @@ import torch
 
 from lrdsl.codegen import product as cp
 from lrdsl.frontend import ir
+from lrdsl.runtime import nonfinite
+from lrdsl.runtime.autograd import eager
 from lrdsl.runtime.reference import l2norm, to_torch
 
 
@@ -131,6 +133,21 @@ def _with_decay(out: dict, plan: Plan, ev, n: int) -> dict:
     return out
 
 
+def _gains_and_decay(plan: Plan, tensors: dict, H: int, HV: int, low, n: int) -> dict:
+    """The direct form's gains [B, n T, HV] (in the query's dtype) and log-decay (in `low`)."""
+    query, keys, values, gains, read = plan.direct
+    q = tensors[query]
+    B, T = q.shape[:2]
+    env = environment(plan, tensors, H, HV, low, only=read)
+
+    def ev(f, kind):
+        shape = (B, T, HV, q.shape[-1] if kind == "K" else 1)
+        return torch.as_tensor(f(env), dtype=low, device=q.device).expand(shape)
+
+    out = {cp.BETA: interleave([ev(b, "scalar")[..., 0] for b in gains]).to(q.dtype)}
+    return _with_decay(out, plan, ev, n)
+
+
 def _direct_inputs(plan: Plan, tensors: dict, H: int, HV: int, low) -> dict:
     """The direct form's sub-inputs: the spec's query (at every sub-token: o is read at the last),
     keys and values interleaved as they come (the kernels clamp nothing here and normalise what
@@ -138,14 +155,7 @@ def _direct_inputs(plan: Plan, tensors: dict, H: int, HV: int, low) -> dict:
     query, keys, values, gains, read = plan.direct
     shared = {name for name, _, sh, *_ in plan.inputs if sh}
     q = tensors[query]
-    B, T = q.shape[:2]
-    env = environment(plan, tensors, H, HV, low, only=read)
     n = len(keys)
-    kdim = q.shape[-1]
-
-    def ev(f, kind):
-        shape = (B, T, HV, kdim if kind == "K" else 1)
-        return torch.as_tensor(f(env), dtype=low, device=q.device).expand(shape)
 
     def group(names):  # all shared, or each at HV heads
         xs = [tensors[x] for x in names]
@@ -153,9 +163,113 @@ def _direct_inputs(plan: Plan, tensors: dict, H: int, HV: int, low) -> dict:
             return interleave(xs)
         return interleave([x.repeat_interleave(HV // H, dim=2) if name in shared else x for name, x in zip(names, xs)])
 
-    out = {cp.Q: interleave([q] * n), cp.C: group(keys), cp.Z: group(values),
-           cp.BETA: interleave([ev(b, "scalar")[..., 0] for b in gains]).to(q.dtype)}
-    return _with_decay(out, plan, ev, n)
+    return {cp.Q: interleave([q] * n), cp.C: group(keys), cp.Z: group(values),
+            **_gains_and_decay(plan, tensors, H, HV, low, n)}
+
+
+def _per_step(mixer, batch):
+    """The direct sub-mixer's inputs with no [B, n T, ...] copy of q, k or v (plan.sub_tokens: its
+    staged chunk reads sub-token n t + j of the keys and values from step j's own tensor at token t,
+    and the query once per token): (names for the kernels, names for the non-finite checks, tensors),
+    or None where chunk takes the interleaved copies (sub_inputs): no sub-token kernels, K past the
+    staged kernels, torch.compile or another transform or mode (the custom op's path), the
+    non-finite checks' host mode, keep_intermediates (what the forward keeps holds the offsets of
+    the tensors it read, not of the backward's finite copies), keys or values of different dtypes,
+    keys shared by grouped value heads (their gradient per value head has no [n, ...] form here)."""
+    plan, module = mixer.product_plan, mixer.product.kernels
+    if (plan.direct is None or not getattr(module, "SUB_TOKENS", 0) or batch.K > module.STAGED_MAX_K
+            or mixer.keep_intermediates):
+        return None
+    query, keys, values, _, _ = plan.direct
+    t = batch.tensors
+    if nonfinite.MODE != "device" or not eager(list(t.values())):
+        return None
+    shared = {name for name, _, sh, *_ in plan.inputs if sh}
+    spread = batch.HV > batch.H
+
+    def steps(names):  # each at the sub-mixer's heads: a shared one repeated where another is not
+        if spread and all(x in shared for x in names):
+            return None
+        xs = [t[x].repeat_interleave(batch.HV // batch.H, dim=2) if spread and x in shared else t[x] for x in names]
+        xs = [_rows(x) for x in xs]
+        if len({x.stride(1) for x in xs}) != 1:
+            xs = [x.contiguous() for x in xs]
+        if len({x.dtype for x in xs}) != 1 or any((x.data_ptr() - xs[0].data_ptr()) % x.element_size() for x in xs):
+            return None
+        return xs
+    ks, vs = steps(keys), steps(values)
+    if ks is None or vs is None:
+        return None
+    low = torch.float64 if t[query].dtype == torch.float64 else torch.float32
+    rest = _gains_and_decay(plan, t, batch.H, batch.HV, low, len(keys))
+    names = [cp.Q, cp.C, cp.Z, *rest, *(f"{x}:{j}" for j in range(1, len(keys)) for x in (cp.C, cp.Z))]
+    tensors = [_rows(t[query]), ks[0], vs[0], *(x.contiguous() for x in rest.values()),
+               *(x for j in range(1, len(keys)) for x in (ks[j], vs[j]))]
+    return names, [x.split(":")[0] for x in names], tensors
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D] as the sub-token kernels read it: each token's heads and channels
+    contiguous, tokens any distance apart and batches T tokens apart (a slice of one [B, T, n, heads,
+    D] tensor, FLA's interleaved layout, is read in place), else a contiguous copy."""
+    B, T, heads, D = x.shape
+    inner = (D == 1 or x.stride(3) == 1) and (heads == 1 or x.stride(2) == D)
+    outer = x.stride(1) >= heads * D and (B == 1 or x.stride(0) == T * x.stride(1))
+    return x if inner and outer else x.contiguous()
+
+
+class _StepsChunk(torch.autograd.Function):
+    """The direct sub-mixer's staged chunk on _per_step's tensors, forward and backward: the kernels
+    store o of each token's last sub-token and read dO there alone (plan.sub_out); the keys' and
+    values' gradients come as one [n, ...] tensor each, step j's its slice j (no copy), the query's
+    at its token."""
+
+    @staticmethod
+    def forward(ctx, mixer, names, checked, scale, cu, output_final_state, h0, *tensors):
+        module = mixer.product.kernels
+        h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
+        r = module.chunk_fwd(dict(zip(names, tensors)), scale, h0c, output_final_state, cu)
+        ctx.save_for_backward(*tensors)
+        ctx.info = (mixer, names, checked, scale, cu, h0c, None if h0 is None else h0.dtype, r.residual)
+        ctx.set_materialize_grads(False)
+        return r.o, r.final_state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        mixer, names, checked, scale, cu, h0, h0_dtype, residual = ctx.info
+        module, sub = mixer.product.kernels, mixer.product.ir
+        tensors = list(ctx.saved_tensors)
+        if do is None:
+            do = torch.zeros_like(tensors[2])
+        # the backward on finite copies, nan at each bad entry (runtime/nonfinite.py's device mode);
+        # the residual is this backward's alone: zeroed in place where an input is bad
+        finite, bad = nonfinite.device_copies(sub, checked, tensors)
+        flags = [f for f in bad if f is not None]
+        if residual is not None and flags:
+            residual = nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
+        inputs = dict(zip(names, finite))
+        vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do, dht, cu, None, residual)
+        g = module.chain_rule(inputs, scale, vgrads)
+
+        def grad(x):  # "k:j" (step j's key) is slice j of the keys' [n, ...] gradient, "k" slice 0
+            name, _, j = x.partition(":")
+            return g[name][int(j or 0)] if name in (cp.C, cp.Z) else g[name]
+        grads = [grad(x) for x in names]
+        grads = nonfinite.device_nan_at(sub, checked, tensors, grads, bad)
+        grads = [gr if need else None for gr, need in zip(grads, ctx.needs_input_grad[7:])]
+        dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[6] else None
+        return (None, None, None, None, None, None, dh0, *grads)
+
+
+def _run_per_step(mixer, batch, per_step):
+    names, checked, tensors = per_step
+    n = mixer.ir.n_steps
+    scale = batch.scale if batch.scale is not None else batch.K ** -0.5
+    cu = None if batch.cu_seqlens is None else (batch.cu_seqlens * n).to(torch.int64).contiguous()
+    o, final = _StepsChunk.apply(mixer, names, checked, float(scale), cu, batch.output_final_state,
+                                 batch.initial_state, *tensors)
+    return o, final
 
 
 def last(o: torch.Tensor, n: int) -> torch.Tensor:
@@ -166,6 +280,10 @@ def last(o: torch.Tensor, n: int) -> torch.Tensor:
 def run(mixer, method: str, batch, cp_group=None, offsets=None):
     """chunk or recurrent of a product mixer through its sub-mixer."""
     sub, n = mixer.product, mixer.ir.n_steps
+    if method == "chunk" and cp_group is None:
+        per_step = _per_step(mixer, batch)
+        if per_step is not None:
+            return _run_per_step(mixer, batch, per_step)
     x = sub_inputs(mixer.product_plan, batch.tensors, batch.H, batch.HV)
     q, k, v = x.pop(cp.Q), x.pop(cp.C), x.pop(cp.Z)
     opts = dict(scale=batch.scale, initial_state=batch.initial_state, output_final_state=batch.output_final_state,
