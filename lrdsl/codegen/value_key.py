@@ -7,10 +7,12 @@ tensor cores. Only the readout differs (o_t = T_t q_t contracts T's second axis)
 kernels make the chunk-start states and the pseudo-values and a kernel of its own reads o
 (templates/chunk_value_out.py.jinja, runtime/value_key.py).
 
-Which transitions: N = D (I - a c^T) with D a decay per value channel, per head or none. The other
-order, (I - a c^T) D, is D (I - c a^T) on T: a decay after the erase, which the key side runs on its
-split spec (two sub-tokens per token): not here yet. D - a c^T (additive) and M S N keep the token
-loop kernel (templates/chunk_value.py.jinja)."""
+Which transitions: N = D (I - a c^T) with D a decay per value channel, per head, constant or none,
+and S's write value the erase's c (on T the write key is then the erase's direction, as the staged
+kernels' readout of T_t from the pseudo-values needs). With one number per head D commutes with the
+erase, so (I - a c^T) D is the same. With D per channel that other order is D (I - c a^T) on T: a
+decay after the erase, which the key side runs on its split spec (two sub-tokens per token): not
+here yet. D - a c^T (additive) and M S N keep the token loop kernel (templates/chunk_value.py.jinja)."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,11 +37,11 @@ def eligible(m: ir.Mixer) -> str | None:
         return "not a value-side transition"
     if m.delta is None:
         return "no erase (the token loop has no solve to spare)"
-    if m.delta.order != "right":
-        return ("the erase is not after the decay (N = (I - a c^T) D or D - a c^T): on S^T that is a decay "
-                "after the erase, which the staged kernels run only on a split spec")
-    if m.decay.kind not in ("identity", "diagonal", "scalar"):
-        return f"a {m.decay.kind} decay"
+    if m.delta.order == "sum":
+        return "N = D - a c^T (additive): not of the form the staged kernels take"
+    if m.delta.order == "left" and m.decay.kind == "diagonal":
+        return ("the erase is before the decay, N = (I - a c^T) D: on S^T a decay after the erase, which "
+                "the key side runs only on its split spec")
     if simplified(m.write.value - m.delta.c) != 0:
         return "the write's value is not the erase's read direction c (on S^T, a write key of its own)"
     return None
@@ -60,9 +62,9 @@ def sub_ir(m: ir.Mixer) -> ir.Mixer:
     inputs = [vec(Q, "K"), vec(C, "K"), vec(A, "K"), vec(U, "V")]
     decay = ir.Decay("identity", sp.Integer(1))
     if m.decay.kind != "identity":
-        g_in = vec(G, "K" if m.decay.kind == "diagonal" else "scalar")
+        g_in = vec(G, "K" if m.decay.kind == "diagonal" else "scalar")  # a constant: a number per token
         inputs.append(dataclasses.replace(g_in, log=True, hi=sp.Integer(0), hi_open=False))
-        decay = ir.Decay(m.decay.kind, sp.exp(ir.symbol(G)))
+        decay = ir.Decay("diagonal" if m.decay.kind == "diagonal" else "scalar", sp.exp(ir.symbol(G)))
     # N^T = (I - c a^T) D: on T the erase writes along c and reads along a
     delta = ir.Delta(ir.symbol(C), ir.symbol(A), "left")
     write = ir.Write(ir.symbol(C), ir.symbol(U))
