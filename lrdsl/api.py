@@ -60,7 +60,7 @@ class Mixer:
         if self.ir.side != "left":  # the value side's module: its token loop (and chunked forward)
             self.kernels  # noqa: B018
             if self.value_route is not None:  # and the transposed sub-mixer's staged kernels
-                self.value_route.forward.args[1]._load_kernels()
+                self.value_transposed._load_kernels()
             return
         if self.ir.steps:  # a product of steps runs on its sub-mixer's kernels, its inputs made by the plan
             self.product_plan  # noqa: B018 (made here: sympy must not run under torch.compile's tracing)
@@ -396,12 +396,17 @@ class Mixer:
                 self._value_route = route(self.ir, Mixer(value_key.sub_ir(self.ir), check_ranges=False))
         return self._value_route or None
 
+    @property
+    def value_transposed(self):
+        """The key-side mixer on S^T whose staged kernels value_route runs, or None."""
+        r = self.value_route
+        return None if r is None else r.forward.keywords["sub"]
+
     def _value_route_for(self, batch):
         """value_route where the values fit the staged kernels' keys (T's keys are S's values)."""
-        r = self.value_route
-        if r is None or batch.V > r.forward.args[1].kernels.STAGED_MAX_K:
+        if self.value_route is None or batch.V > self.value_transposed.kernels.STAGED_MAX_K:
             return None
-        return r
+        return self.value_route
 
     @property
     def split(self):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_dplr import against_reference, failing, tiered
 from test_oja import spec_text
-from test_recurrent import DEVICE
+from test_recurrent import DEVICE, PoisonTorch
 
 import lrdsl
 from lrdsl import cli
@@ -28,24 +28,14 @@ def _no_token_loop(*args, **kwargs):
 
 @pytest.fixture
 def staged(monkeypatch):
-    """A value-side mixer whose token loop forward raises, and whose readout kernel writes into a
-    tensor poisoned with nan (a token it misses shows)."""
-    real = runtime_vk.out_module
-
-    class Poisoned:
-        def __init__(self, mod):
-            self.mod = mod
-
-        def value_out(self, hs, e, c, g, q, chunks, cu, T, dtype):
-            o = torch.full((c.shape[0], c.shape[1], c.shape[2], c.shape[3]), float("nan"), dtype=dtype,
-                           device=c.device)
-            return self.mod.value_out(hs, e, c, g, q, chunks, cu, T, dtype, o=o)
-
-    monkeypatch.setattr(runtime_vk, "out_module", lambda chunk: Poisoned(real(chunk)))
-
+    """A value-side mixer whose token loop forward raises, and whose staged forward's modules
+    allocate every buffer poisoned with nan (an element never written shows)."""
     def get(text=None, path=None):
         m = lrdsl.compile(path, text=text, check_stability=False)
         monkeypatch.setattr(m.kernels, "value_chunk_fwd", _no_token_loop)
+        poison = PoisonTorch()
+        for module in runtime_vk.modules(m.value_transposed):
+            monkeypatch.setattr(module, "torch", poison)
         return m
     return get
 

@@ -55,10 +55,10 @@ def sub_inputs(m: ir.Mixer, b: Batch, floor: float) -> dict:
     return out, query.to(low).contiguous()
 
 
-def forward(m: ir.Mixer, sub, floor: float, kernels, b: Batch, names, tensors, h0):
+def forward(kernels, b: Batch, names, tensors, h0, *, m: ir.Mixer, sub, floor: float):
     """(o [B, T, HV, V] in v's dtype, the final state [N, HV, K, V] fp32 or None): Route.forward's
-    signature after m, the transposed sub-mixer (an lrdsl.Mixer) and its kernels' log-decay floor;
-    kernels (m's) unused."""
+    signature (kernels, m's, unused), then m, the transposed sub-mixer (an lrdsl.Mixer) and its
+    kernels' log-decay floor."""
     with torch.no_grad():
         b = dataclasses.replace(b, tensors=dict(zip(names, tensors)))
         mod = sub.kernels
@@ -78,10 +78,15 @@ def forward(m: ir.Mixer, sub, floor: float, kernels, b: Batch, names, tensors, h
         return o, (None if final is None else final.transpose(-1, -2).contiguous())
 
 
+def modules(sub) -> tuple:
+    """The generated modules the staged forward launches: the transposed mixer's and the readout's."""
+    return sub.kernels, out_module(sub.kernels.STAGED_CHUNK)
+
+
 def route(m: ir.Mixer, sub) -> valueside.Route:
     """valueside.chunk's route: this forward, the value side's backward. Made once per mixer (the
     plan's sympy stays out of calls)."""
     from lrdsl.codegen.plan import plan
     floor = plan(sub.ir).log_decay_floor
-    return valueside.Route(functools.partial(forward, m, sub, floor), valueside.per_token, valueside.VECTORS,
+    return valueside.Route(functools.partial(forward, m=m, sub=sub, floor=floor), valueside.per_token, valueside.VECTORS,
                            "value_chunk_bwd")
