@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from test_dplr import against_reference, failing, tiered
 from test_oja import spec_text
 from test_recurrent import DEVICE, PoisonTorch
