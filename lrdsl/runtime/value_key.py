@@ -33,8 +33,9 @@ def floor_log(g: torch.Tensor, floor: float) -> torch.Tensor:
     return torch.where(g < floor, torch.full_like(g, floor), g)
 
 
-def sub_inputs(m: ir.Mixer, b: Batch, floor: float) -> dict:
-    """The transposed sub-mixer's inputs (codegen/value_key.py's names), [B, T, HV, width]: T's
+def sub_inputs(m: ir.Mixer, b: Batch, floor: float) -> tuple:
+    """(the transposed sub-mixer's inputs by codegen/value_key.py's names, the scaled query
+    [B, T, HV, K] for the readout), each [B, T, HV, width] ([B, T, HV] a log-decay per head): T's
     erase writes along N's c (also the write key) and reads along N's a; the write's value is S's
     write key; the log-decay floored as the staged kernels floor it, in fp32; the vectors in v's
     dtype for bf16 and fp16 inputs (the staged kernels' tensor-core operands), else fp32."""
