@@ -26,6 +26,7 @@ class Mixer:
         self._split = None
         self._product = None
         self._product_plan = None
+        self._value_route = None
         self._parts_cache = None
         self._fused_cache = None
         self.source = source
@@ -58,6 +59,8 @@ class Mixer:
             return
         if self.ir.side != "left":  # the value side's module: its token loop (and chunked forward)
             self.kernels  # noqa: B018
+            if self.value_route is not None:  # and the transposed sub-mixer's staged kernels
+                self.value_transposed._load_kernels()
             return
         if self.ir.steps:  # a product of steps runs on its sub-mixer's kernels, its inputs made by the plan
             self.product_plan  # noqa: B018 (made here: sympy must not run under torch.compile's tracing)
@@ -296,7 +299,7 @@ class Mixer:
         # value sides before segments (whose maps of the state are the key side's)
         if self.ir.side == "right":  # the chunked forward and backward kernels (valueside.py)
             from lrdsl.runtime import valueside
-            return valueside.chunk(self.ir, self.kernels, batch)
+            return valueside.chunk(self.ir, self.kernels, batch, self._value_route_for(batch))
         if self.ir.side == "both":  # M S N: the token loop forward, a reverse token loop backward (two_sided.py)
             from lrdsl.runtime import two_sided
             return two_sided.chunk(self.ir, self.kernels, batch)
@@ -380,6 +383,30 @@ class Mixer:
             from lrdsl.runtime.product import plan_of
             self._product_plan = plan_of(self.ir, self.product.ir)
         return self._product_plan
+
+    @property
+    def value_route(self):
+        """A value side's chunked forward on the key side's staged kernels (runtime/value_key.py) where
+        codegen/value_key.py takes its transition, else None (the token loop kernel)."""
+        if self._value_route is None:
+            from lrdsl.codegen import value_key
+            self._value_route = False
+            if value_key.enabled(self.ir):
+                from lrdsl.runtime.value_key import route
+                self._value_route = route(self.ir, Mixer(value_key.sub_ir(self.ir), check_ranges=False))
+        return self._value_route or None
+
+    @property
+    def value_transposed(self):
+        """The key-side mixer on S^T whose staged kernels value_route runs, or None."""
+        r = self.value_route
+        return None if r is None else r.forward.keywords["sub"]
+
+    def _value_route_for(self, batch):
+        """value_route where the values fit the staged kernels' keys (T's keys are S's values)."""
+        if self.value_route is None or batch.V > self.value_transposed.kernels.STAGED_MAX_K:
+            return None
+        return self.value_route
 
     @property
     def split(self):

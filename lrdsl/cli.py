@@ -327,8 +327,19 @@ def kernels_text(m) -> str:
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
                 "           the decode path\n")
     if m.side == "right":
-        return ("chunk      the value side's chunked forward (templates/chunk_value.py.jinja); backward\n"
-                "           (templates/chunk_value_bwd.py.jinja): a reverse token loop per key tile over\n"
+        from lrdsl.codegen import value_key
+        why = value_key.eligible(m)
+        if why is None:
+            first = ("chunk      forward on the key side's staged kernels, run on S^T (lrdsl/codegen/value_key.py):\n"
+                     "           stages 1 to 3 of the transposed mixer's staged forward, then the readout o = S^T q\n"
+                     "           (templates/chunk_value_out.py.jinja); values wider than the staged kernels'\n"
+                     "           keys, or LRDSL_VALUE_STAGED=0, take the token loop (templates/chunk_value.py.jinja);")
+        else:
+            import textwrap
+            first = textwrap.fill(f"the value side's token loop forward (templates/chunk_value.py.jinja), not the "
+                                  f"key side's staged kernels: {why};", 98, initial_indent="chunk      ",
+                                  subsequent_indent=" " * 11)
+        return (f"{first}\n           backward (templates/chunk_value_bwd.py.jinja): a reverse token loop per key tile over\n"
                 "           per_token's vectors from checkpoints every 64 tokens, their gradients carried to\n"
                 "           the inputs by autograd through per_token (lrdsl/runtime/valueside.py)\n"
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"

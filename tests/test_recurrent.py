@@ -37,7 +37,11 @@ def state_parts(state) -> dict:
 
 
 def chunk_modules(mixer) -> list:
-    """The generated modules chunk may launch: the mixer's own, and its split mixer's (lrdsl/codegen/split.py)."""
+    """The generated modules chunk may launch: the mixer's own, and its split mixer's (lrdsl/codegen/split.py),
+    or a value side's on the key side's staged kernels (runtime/value_key.py)."""
+    if getattr(mixer, "value_transposed", None) is not None:
+        from lrdsl.runtime.value_key import modules
+        return [mixer.kernels, *modules(mixer.value_transposed)]
     return [mixer.kernels] + ([mixer.split.kernels] if mixer.split is not None else [])
 
 

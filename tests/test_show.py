@@ -94,6 +94,7 @@ o = S^T q
     ("mesa", "the offline solve's kernels"),
     ("vnorm", "the general kernels (templates/chunk.py.jinja): an L2 norm over the value channels"),
     ("two_sided", "the two-sided token loop (templates/recurrent_value.py.jinja)"),
+    ("oja", "forward on the key side's staged kernels, run on S^T (lrdsl/codegen/value_key.py)"),
 ])
 def test_show_says_which_kernels_chunk_runs(name, first, tmp_path, capsys):
     from lrdsl.cli import main

@@ -68,8 +68,11 @@ def test_oja_backward_time_and_memory(BK, BT, monkeypatch):
 def test_oja_forward_key_tiles(BK, monkeypatch):
     """The chunked forward over key tiles (VALUE_FWD_BK; 128: one program holds all of K, as before
     2026-12-06) at the benchmark's shape: bf16 o against the float64 reference on the first of
-    the four sequences, and the time, printed for choosing the default."""
+    the four sequences, and the time, printed for choosing the default. The token loop forward is
+    pinned (LRDSL_VALUE_STAGED=0): oja's chunk takes the staged one (test_value_staged_gpu.py)."""
+    monkeypatch.setenv("LRDSL_VALUE_STAGED", "0")
     mixer = lrdsl.compile(OJA)
+    assert mixer.value_route is None
     monkeypatch.setattr(mixer.kernels, "VALUE_FWD_BK", BK)
     B, T, H, K, V = 4, 4096, 16, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(4)

@@ -13,6 +13,7 @@ from test_dplr import against_reference, failing
 from test_recurrent import DEVICE, PoisonTorch
 
 import lrdsl
+from lrdsl.codegen import value_key
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -21,7 +22,13 @@ CASE = Case(B=1, T=45, H=1, HV=2, K=40, V=16, cu_seqlens=(0, 13, 13, 45), initia
 
 @pytest.fixture(scope="module")
 def oja():
-    return lrdsl.compile(EXAMPLES / "oja.lr")
+    """examples/oja.lr on the token loop forward (its chunked forward is otherwise the staged one:
+    test_value_staged.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(value_key.SWITCH, "0")
+        m = lrdsl.compile(EXAMPLES / "oja.lr")
+    assert m.value_route is None
+    return m
 
 
 @pytest.mark.parametrize("block_inf", [False, True])

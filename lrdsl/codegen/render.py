@@ -32,6 +32,12 @@ def render_solve(solve, version: str) -> str:
     return _render("mesa_module.py.jinja", solve=solve, plan=solve.base, version=version)
 
 
+def render_value_out(chunk: int, block: int, version: str) -> str:
+    """The readout kernel of a value side on the key side's staged kernels (codegen/value_key.py):
+    the same for every spec, for chunks of `chunk` tokens cut into blocks of `block`."""
+    return _render("chunk_value_out.py.jinja", chunk=chunk, block=block, version=version)
+
+
 def _render(template: str, **context) -> str:
     try:
         text = _env().get_template(template).render(**context)

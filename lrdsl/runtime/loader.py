@@ -97,6 +97,24 @@ def _module_file(name: str, source: str) -> Path:
         return _cached(_FALLBACK[0], name, source)
 
 
+def load_source(stem: str, source: str):
+    """Import a generated module of no spec (keyed by its source alone), from the cache."""
+    import triton
+    key = hashlib.sha256(f"{source}\0{__version__}\0{triton.__version__}".encode()).hexdigest()[:24]
+    mod_name = f"lrdsl_generated_{stem}_{key}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, _module_file(f"{stem}_{key}.py", source))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    return mod
+
+
 def load(m: ir.Mixer):
     """Generate (or find in the cache) and import the kernels module of a mixer."""
     source = generate(m)

@@ -1,0 +1,83 @@
+"""GPU checks of the value side's forward on the key side's staged kernels (codegen/value_key.py,
+templates/chunk_value_out.py.jinja; run on the device machine:
+LRDSL_TEST_DEVICE=cuda pytest -m gpu -s tests/test_value_staged_gpu.py).
+
+bf16 inputs of examples/oja.lr, packed sequences with an empty one, grouped value heads, h0 and
+the final state, with and without a -inf block of log-decays: o and S against the float64
+reference and against the token loop forward (LRDSL_VALUE_STAGED=0); and at the benchmark's shape
+(B=4 T=4096 H=16 K=V=128) both forwards' times, printed (the token loop took 32.5 ms on an H100,
+FLA's chunk_gated_oja_rule 2.14 ms). Also `lrdsl bench --backward examples/oja.lr`.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+from test_gpu import draw, rms_ratio
+
+import lrdsl
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA GPU (device machine)")]
+OJA = Path(__file__).resolve().parent.parent / "examples" / "oja.lr"
+O_TOL = 5e-3  # bf16 inputs against float64 (test_gpu.py's forward tolerance)
+
+
+def both(monkeypatch):
+    """(the staged forward's mixer, the token loop's)."""
+    staged = lrdsl.compile(OJA)
+    assert staged.value_route is not None
+    with monkeypatch.context() as mp:
+        mp.setenv("LRDSL_VALUE_STAGED", "0")
+        loop = lrdsl.compile(OJA)
+    assert loop.value_route is None
+    return staged, loop
+
+
+@pytest.mark.parametrize("block_inf", [False, True])
+def test_oja_staged_forward_packed_grouped_bf16(block_inf, monkeypatch):
+    staged, loop = both(monkeypatch)
+    B, T, H, HV, K, V = 1, 3000, 2, 4, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = draw(staged, B, T, H, HV, K, V, torch.bfloat16, "cuda", gen)
+    if block_inf:
+        x["gv"][:, 1000:1064] = -float("inf")  # a whole chunk of the staged forward
+        x["gv"][:, 2000:2016] = -float("inf")  # a whole 16-token block of the readout
+    cu = torch.tensor([0, 700, 700, 2100, 3000], device="cuda")
+    h0 = torch.randn(4, HV, K, V, generator=gen, device="cuda")
+    with torch.no_grad():
+        o, s = staged.chunk(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        o0, s0 = loop.chunk(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        ref_o, ref_s = staged.reference(**{n: t.double() for n, t in x.items()}, initial_state=h0.double(),
+                                        output_final_state=True, cu_seqlens=cu)
+    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s), "o vs loop": rms_ratio(o, o0),
+            "S vs loop": rms_ratio(s, s0), "loop o": rms_ratio(o0, ref_o)}
+    print("oja staged fwd", "block-inf" if block_inf else "", " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    for n, e in errs.items():
+        assert e < O_TOL, (n, e)
+
+
+def test_oja_staged_forward_time(monkeypatch):
+    """Both forwards at the benchmark's shape, bf16: ms printed; o of the first sequence against the
+    float64 reference."""
+    staged, loop = both(monkeypatch)
+    B, T, H, K, V = 4, 4096, 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = draw(staged, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    times = {}
+    with torch.no_grad():
+        for name, m in (("staged", staged), ("token loop", loop)):
+            o, _ = m.chunk(**x)  # compile, tune
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                m.chunk(**x)
+            end.record()
+            torch.cuda.synchronize()
+            times[name] = start.elapsed_time(end) / 5
+        ref, _ = staged.reference(**{n: t[:1].double() for n, t in x.items()})
+        err = rms_ratio(staged.chunk(**x)[0][:1], ref)
+    print(f"oja chunk fwd B=4 T=4096 H=16 K=V=128 bf16: staged {times['staged']:.2f} ms, token loop "
+          f"{times['token loop']:.2f} ms, o rms ratio {err:.1e} ({torch.cuda.get_device_name()})")
+    assert err < O_TOL
