@@ -5,7 +5,6 @@ feature flags and the tile sizes. Features that are off leave no trace in the re
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -521,18 +520,7 @@ def plan(m: ir.Mixer) -> Plan:
         readout_before=before is not None,
         bonus_key=code(before.bonus_key) if before is not None and before.bonus_key is not None else "",
     )
-    return _with_sub_tokens(m, p)
-
-
-def _with_sub_tokens(m: ir.Mixer, p: Plan) -> Plan:
-    """p with plan.sub_tokens and the inputs it reads by sub-token (those of codegen/product.py's
-    direct sub-mixer) where its staged kernels are those that have the holes: an erase, a decay per
-    token, stage 3 split (staged_de stores dz, staged_dk's chain rule the others) and the query's
-    gradient made where r's is (plan.chain_at_dr). Elsewhere the runtime gives interleaved tensors."""
-    if not (m.sub_tokens and p.staged and p.delta and p.decay_kind == "scalar" and p.split_dk and p.split_dr
-            and p.chain_in_dk and p.chain_at_dr is not None and p.chain_at_dr.name == product.Q):
-        return p
-    return dataclasses.replace(p, sub_tokens=m.sub_tokens, sub_steps=(product.C, product.Z), sub_query=product.Q)
+    return product.with_sub_tokens(m, p)
 
 
 def _n_fields(m: ir.Mixer) -> dict:
@@ -542,7 +530,6 @@ def _n_fields(m: ir.Mixer) -> dict:
     n = m.right_part()
     return dict(n_decay_kind=n.decay.kind, n_decay=code(n.decay.value), n_order=n.delta.order if n.delta else "",
                 n_erase_a=code(n.delta.a) if n.delta else "", n_erase_c=code(n.delta.c) if n.delta else "")
-
 
 
 def _rank2(m: ir.Mixer) -> bool:

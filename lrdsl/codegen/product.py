@@ -130,3 +130,14 @@ def sub_ir(m: ir.Mixer) -> ir.Mixer:
     write = ir.Write(ir.symbol(U) if both else a, ir.symbol(Z))
     return ir.Mixer(f"{m.name}_steps", tuple(inputs), (), (), decay, delta, write, ir.symbol(Q),
                     allow_unstable=True, sub_tokens=m.n_steps if d is not None else 0)
+
+
+def with_sub_tokens(m: ir.Mixer, p):
+    """Plan p with plan.sub_tokens and the inputs it reads by sub-token (those of codegen/product.py's
+    direct sub-mixer) where its staged kernels are those that have the holes: an erase, a decay per
+    token, stage 3 split (staged_de stores dz, staged_dk's chain rule the others) and the query's
+    gradient made where r's is (plan.chain_at_dr). Elsewhere the runtime gives interleaved tensors."""
+    if not (m.sub_tokens and p.staged and p.delta and p.decay_kind == "scalar" and p.split_dk and p.split_dr
+            and p.chain_in_dk and p.chain_at_dr is not None and p.chain_at_dr.name == Q):
+        return p
+    return dataclasses.replace(p, sub_tokens=m.sub_tokens, sub_steps=(C, Z), sub_query=Q)
