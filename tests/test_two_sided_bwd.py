@@ -98,8 +98,7 @@ def check_vectors(m, x, opts, BT=16, with_dht=True):
 PAIRS = list(itertools.product(ORDERS, ORDERS))
 
 
-@pytest.mark.parametrize("m_form, n_form", tiered(PAIRS, [("left", "right"), ("right", "left"), ("sum", "sum"),
-                                                          ("none", "none")]))
+@pytest.mark.parametrize("m_form, n_form", tiered(PAIRS, [("left", "right"), ("sum", "sum")]))
 def test_vector_gradients_every_order(m_form, n_form):
     """Each order of M beside each order of N, packed with an empty sequence, HV = 2 H, h0 and dht."""
     m = mixer(m_form, n_form)
@@ -110,7 +109,7 @@ def test_vector_gradients_every_order(m_form, n_form):
 
 @pytest.mark.parametrize("m_form, n_form", tiered([("scalar", "no_decay"), ("no_decay", "none"), ("none", "no_decay"),
                                                    ("scalar", "sum"), ("no_decay", "no_decay")],
-                                                  [("scalar", "no_decay"), ("no_decay", "none")]))
+                                                  [("scalar", "no_decay")]))
 def test_vector_gradients_decay_kinds(m_form, n_form):
     """A decay of one number per head (M's, wherever it is written: it commutes), per channel on one
     side and none on the other, or none at all."""
@@ -146,7 +145,7 @@ STRONG = {  # where (tokens of the packed batch), value
 
 
 @pytest.mark.parametrize("which", ["g", "gv"])
-@pytest.mark.parametrize("strength", tiered(list(STRONG), ["one-1e4", "block-inf"]))
+@pytest.mark.parametrize("strength", tiered(list(STRONG), ["block-inf"]))
 def test_vector_gradients_strong_decays(which, strength):
     """Log-decays of -1e4 and -inf in M's or N's (a factor of 0 exactly, its gradient 0 there)."""
     m = mixer("left", "right")
@@ -159,7 +158,7 @@ def test_vector_gradients_strong_decays(which, strength):
 
 
 @pytest.mark.parametrize("m_form, n_form", tiered([("left", "right"), ("sum", "none"), ("scalar", "sum"),
-                                                   ("right", "no_decay")], [("left", "right"), ("scalar", "sum")]))
+                                                   ("right", "no_decay")], [("left", "right")]))
 def test_inputs_gradients_end_to_end(m_form, n_form):
     """chunk's output, final state and gradients of every input and of h0 (o's and the final
     state's losses) through the kernels and per_token's chain rule, against the float64 reference."""
@@ -169,7 +168,7 @@ def test_inputs_gradients_end_to_end(m_form, n_form):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("which", ["g", "gv"])
+@pytest.mark.parametrize("which", tiered(["g", "gv"], ["gv"]))
 def test_inputs_gradients_strong_decays_end_to_end(which):
     """-inf on a whole chunk and on single tokens of M's or N's log-decay, through the chain rule."""
     m = mixer("left", "right")
