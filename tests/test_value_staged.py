@@ -1,8 +1,9 @@
 """A value-side transition's chunked forward on the key side's staged kernels (issue 40; math in
 lrdsl/codegen/value_key.py): stages 1 to 3 of the transposed mixer, then the readout kernel
 (templates/chunk_value_out.py.jinja), against the float64 reference. The token loop forward
-(templates/chunk_value.py.jinja) is made to raise, so a pass is the staged forward's; the
-gradients still come from the value side's backward kernel."""
+(templates/chunk_value.py.jinja) and the value side's backward kernel (chunk_value_bwd.py.jinja)
+are made to raise, so a pass is the staged forward's and the backward through the transposed
+sub-mixer read with do as its query (runtime/value_key.py's grads)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,16 +23,17 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _no_token_loop(*args, **kwargs):
-    raise AssertionError("the token loop forward ran")
+    raise AssertionError("the token loop forward or the value side's backward kernel ran")
 
 
 @pytest.fixture
 def staged(monkeypatch):
-    """A value-side mixer whose token loop forward raises, and whose staged forward's modules
-    allocate every buffer poisoned with nan (an element never written shows)."""
+    """A value-side mixer whose token loop forward and backward kernel raise, and whose staged
+    forward's modules allocate every buffer poisoned with nan (an element never written shows)."""
     def get(text=None, path=None):
         m = lrdsl.compile(path, text=text, check_stability=False)
         monkeypatch.setattr(m.kernels, "value_chunk_fwd", _no_token_loop)
+        monkeypatch.setattr(m.kernels, "value_chunk_bwd", _no_token_loop)
         poison = PoisonTorch()
         for module in runtime_vk.modules(m.value_transposed):
             monkeypatch.setattr(module, "torch", poison)
@@ -62,7 +64,7 @@ CASES = {  # two 64-token chunks and a partial third, packed with an empty seque
 @pytest.mark.parametrize("case_id", tiered(list(CASES), ["packed-HV2"]))
 def test_oja_forward_and_gradients(staged, case_id):
     """o and the final state against the float64 reference, and chunk's gradients of every input and
-    of the initial state (the value side's backward kernel, unchanged). The drawn log-decays are
+    of the initial state (through the transposed sub-mixer). The drawn log-decays are
     scaled by 1/100: the state carried from block to block and from chunk to chunk still counts."""
     m = staged(path=EXAMPLES / "oja.lr")
     x, opts = draw_inputs(m, CASES[case_id], DEVICE)
@@ -83,8 +85,8 @@ STRONG = {  # one token at -1e4 and at -inf in two chunks, a whole 16-token bloc
 @pytest.mark.parametrize("name, strength", tiered([(n, s) for n in ("oja", "scalar_decay") for s in STRONG],
                                                   [("oja", "block-inf")]))
 def test_strong_decays(staged, name, strength):
-    """A log-decay of -1e4 or -inf (exact zeros in the reference), weak decays elsewhere: o and S
-    match (no nan from -inf - -inf, no inf from exp of a negated log-decay); the diagonal
+    """A log-decay of -1e4 or -inf (exact zeros in the reference), weak decays elsewhere: o, S and
+    every gradient match (no nan from -inf - -inf, no inf from exp of a negated log-decay); the diagonal
     decay per value channel (oja) and one per head (the erase and the decay then commute)."""
     m = staged(text=spec_text(name))
     x, opts = draw_inputs(m, Case(B=1, T=70, H=1, HV=2, K=16, V=16, initial_state=True, seed=7), DEVICE)
@@ -92,7 +94,7 @@ def test_strong_decays(staged, name, strength):
     log = LOG_DECAY[name]
     x[log] = x[log] / 100  # weak elsewhere: what crosses the strong tokens would count
     x[log][:, where] = value
-    bad = failing(against_reference(m, x, opts, impls=("chunk",), grad=False))
+    bad = failing(against_reference(m, x, opts, impls=("chunk",)))
     assert not bad, bad
 
 

@@ -2,8 +2,14 @@
 math: codegen/value_key.py). The per-token vectors of T = S^T's transition (the erase's directions,
 the write's key and value, the floored log-decay, the scaled query) are computed in PyTorch, the
 transposed sub-mixer's staged stages 1 to 3 make the chunk-start states and the pseudo-values, and
-templates/chunk_value_out.py.jinja reads o. The backward stays runtime/valueside.py's (its kernel
-recomputes everything from the inputs), so this is only a Route's forward."""
+templates/chunk_value_out.py.jinja reads o.
+
+The backward (`grads`) runs the same sub-mixer once more, forward and backward, with do as its
+query: o_t = T_t q_t makes the loss's linear part sum_t do_t . T_t q_t = sum_t (T_t^T do_t) . q_t,
+the sub-mixer's own readout of query do_t dotted with q_t. So autograd through that call (the staged
+backward kernels, on tensor cores) gives the gradients of every per-token vector and of the initial
+state, and its output T_t^T do_t is q's gradient; autograd through the vectors' PyTorch chain
+carries them to the inputs."""
 from __future__ import annotations
 
 import dataclasses
@@ -79,15 +85,36 @@ def forward(kernels, b: Batch, names, tensors, h0, *, m: ir.Mixer, sub, floor: f
         return o, (None if final is None else final.transpose(-1, -2).contiguous())
 
 
+def grads(m: ir.Mixer, b: Batch, names, leaves, h0, do, dht, *, sub, floor: float) -> tuple:
+    """(the gradients of `leaves` (None where one needs none), dh0): valueside.Route.grads, through
+    the transposed sub-mixer read with query do (module docstring); the leaves are finite copies."""
+    h0l = None if h0 is None else h0.detach().to(torch.float32).requires_grad_(h0.requires_grad)
+    with torch.enable_grad():
+        inputs, query = sub_inputs(m, dataclasses.replace(b, tensors=dict(zip(names, leaves))), floor)
+        q2 = do.to(inputs["k"].dtype).contiguous()
+        rest = {n: t for n, t in inputs.items() if n not in ("q", "k", "v")}
+        T0 = None if h0l is None else h0l.transpose(-1, -2)
+        o2, final = sub.chunk(q2, inputs["k"], inputs["v"], scale=1.0, initial_state=T0,
+                              output_final_state=dht is not None, cu_seqlens=b.cu_seqlens, **rest)
+        loss = (o2.float() * query.float()).sum()
+        if dht is not None:
+            loss = loss + (final.float() * dht.float().transpose(-1, -2)).sum()
+        want = [t for t in (*leaves, h0l) if t is not None and t.requires_grad]
+        got = iter(torch.autograd.grad(loss, want, allow_unused=True) if want else [])
+    out = [next(got) if t.requires_grad else None for t in leaves]
+    dh0 = next(got) if h0l is not None and h0l.requires_grad else None
+    return out, (None if dh0 is None else dh0.to(h0.dtype))
+
+
 def modules(sub) -> tuple:
     """The generated modules the staged forward launches: the transposed mixer's and the readout's."""
     return sub.kernels, out_module(sub.kernels.STAGED_CHUNK)
 
 
 def route(m: ir.Mixer, sub) -> valueside.Route:
-    """valueside.chunk's route: this forward, the value side's backward. Made once per mixer (the
-    plan's sympy stays out of calls)."""
+    """valueside.chunk's route: this forward and backward (`grads`). Made once per mixer (the plan's
+    sympy stays out of calls)."""
     from lrdsl.codegen.plan import plan
     floor = plan(sub.ir).log_decay_floor
     return valueside.Route(functools.partial(forward, m=m, sub=sub, floor=floor), valueside.per_token, valueside.VECTORS,
-                           "value_chunk_bwd")
+                           "value_chunk_bwd", functools.partial(grads, sub=sub, floor=floor))

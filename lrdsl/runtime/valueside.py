@@ -164,11 +164,13 @@ class Route:
     """What ChunkFunction runs for one kind of transition: the forward (kernels, b, names, tensors,
     h0) -> (o, final state), the per-token vectors (per_token's signature), their names in the
     backward kernel's order, and the name of the backward's host function in the generated module
-    (its signature value_chunk_bwd's)."""
+    (its signature value_chunk_bwd's); or `grads` (m, b, names, leaves, h0, do, dht) -> (the leaves'
+    gradients, dh0), which then replaces the per-token vectors and that kernel."""
     forward: object
     per_token: object
     vectors: tuple
     backward: str
+    grads: object = None
 
 
 def chunk(m: ir.Mixer, kernels, b: Batch, route: "Route | None" = None):
@@ -221,11 +223,16 @@ class ChunkFunction(torch.autograd.Function):
         b, route = ctx.b, ctx.route
         # finite copies of the inputs (runtime/nonfinite.py): a bad entry's nan would reach every
         # earlier token through the reverse pass's products; its own gradient is nan
+        flags = masks = None
         if nonfinite.MODE == "device":
             finite, flags = nonfinite.device_copies(ctx.m, ctx.names, saved)
         else:
             masks = nonfinite.bad_entries(ctx.m, ctx.names, saved)
             finite = saved if masks is None else nonfinite.finite_copies(ctx.m, ctx.names, saved, masks)
+        if route.grads is not None:
+            leaves = [f.detach().requires_grad_(t.requires_grad) for f, t in zip(finite, saved)]
+            grads, dh0 = route.grads(ctx.m, b, ctx.names, leaves, h0, do, dht if b.output_final_state else None)
+            return (None, None, None, None, None, dh0, *_nan_back(ctx.m, ctx.names, saved, grads, flags, masks))
         with torch.enable_grad():
             leaves = [f.detach().requires_grad_(t.requires_grad) for f, t in zip(finite, saved)]
             p = route.per_token(ctx.m, dataclasses.replace(b, tensors=dict(zip(ctx.names, leaves))),
@@ -239,9 +246,12 @@ class ChunkFunction(torch.autograd.Function):
         dx = iter(torch.autograd.grad([o for o, _ in outs], want, [g for _, g in outs], allow_unused=True)
                   if outs and want else [None] * len(want))
         grads = [next(dx) if t.requires_grad else None for t in leaves]
-        if nonfinite.MODE == "device":
-            grads = nonfinite.device_nan_at(ctx.m, ctx.names, saved, grads, flags)
-        elif masks is not None:
-            grads = nonfinite.nan_at(grads, masks)
         dh0 = dh0.to(h0.dtype) if h0 is not None and h0.requires_grad else None
-        return (None, None, None, None, None, dh0, *grads)
+        return (None, None, None, None, None, dh0, *_nan_back(ctx.m, ctx.names, saved, grads, flags, masks))
+
+
+def _nan_back(m, names, saved, grads, flags, masks) -> list:
+    """nan at the bad entries' own gradients (the backward ran on finite copies)."""
+    if nonfinite.MODE == "device":
+        return nonfinite.device_nan_at(m, names, saved, grads, flags)
+    return grads if masks is None else nonfinite.nan_at(grads, masks)
