@@ -333,7 +333,11 @@ def kernels_text(m) -> str:
             first = ("chunk      forward on the key side's staged kernels, run on S^T (lrdsl/codegen/value_key.py):\n"
                      "           stages 1 to 3 of the transposed mixer's staged forward, then the readout o = S^T q\n"
                      "           (templates/chunk_value_out.py.jinja); values wider than the staged kernels'\n"
-                     "           keys, or LRDSL_VALUE_STAGED=0, take the token loop (templates/chunk_value.py.jinja);")
+                     "           keys, or LRDSL_VALUE_STAGED=0, take the token loop (templates/chunk_value.py.jinja);" + (
+                         "\n           the transposed mixer is KDA on the raw inputs (value_key.direct): the kernels normalise,\n"
+                         "           clamp and floor them, no per-token vectors in PyTorch, backward through its kernels;"
+                         if value_key.direct(m) is not None else
+                         "\n           its inputs the per-token vectors of T's transition, made in PyTorch;"))
         else:
             import textwrap
             first = textwrap.fill(f"the value side's token loop forward (templates/chunk_value.py.jinja), not the "
