@@ -13,13 +13,13 @@ import torch
 from test_dplr import against_reference, failing, tiered
 from test_oja import spec_text
 from test_recurrent import DEVICE, PoisonTorch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lrdsl
 from lrdsl import cli
 from lrdsl.codegen import value_key
 from lrdsl.runtime import value_key as runtime_vk
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
-from torch.utils._python_dispatch import TorchDispatchMode
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
