@@ -343,9 +343,13 @@ def kernels_text(m) -> str:
             first = textwrap.fill(f"the value side's token loop forward (templates/chunk_value.py.jinja), not the "
                                   f"key side's staged kernels: {why};", 98, initial_indent="chunk      ",
                                   subsequent_indent=" " * 11)
-        return (f"{first}\n           backward (templates/chunk_value_bwd.py.jinja): a reverse token loop per key tile over\n"
+        back = ("\n           backward: the transposed mixer's chunk, forward + backward, read with do as its query\n"
+                "           (lrdsl/runtime/value_key.py); the token loop's backward (templates/chunk_value_bwd.py.jinja)\n"
+                "           where the forward is the token loop\n" if why is None else
+                "\n           backward (templates/chunk_value_bwd.py.jinja): a reverse token loop per key tile over\n"
                 "           per_token's vectors from checkpoints every 64 tokens, their gradients carried to\n"
-                "           the inputs by autograd through per_token (lrdsl/runtime/valueside.py)\n"
+                "           the inputs by autograd through per_token (lrdsl/runtime/valueside.py)\n")
+        return (f"{first}{back}"
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
                 "           the decode path\n")
     decode = decode.format("")
