@@ -333,17 +333,22 @@ def kernels_text(m) -> str:
             first = ("chunk      forward on the key side's staged kernels, run on S^T (lrdsl/codegen/value_key.py):\n"
                      "           stages 1 to 3 of the transposed mixer's staged forward, then the readout o = S^T q\n"
                      "           (templates/chunk_value_out.py.jinja); values wider than the staged kernels'\n"
-                     "           keys, or LRDSL_VALUE_STAGED=0, take the token loop (templates/chunk_value.py.jinja);\n"
-                     "           backward: the transposed mixer's chunk, forward and backward, read with dO as its\n"
-                     "           query (its output is dq; lrdsl/runtime/value_key.py); with the token loop:")
+                     "           keys, or LRDSL_VALUE_STAGED=0, take the token loop (templates/chunk_value.py.jinja);" + (
+                         "\n           the transposed mixer is KDA on the raw inputs (value_key.direct): the kernels normalise,\n"
+                         "           clamp and floor them, no per-token vectors in PyTorch, backward through its kernels;"
+                         if value_key.direct(m) is not None else
+                         "\n           its inputs the per-token vectors of T's transition, made in PyTorch;"))
         else:
             import textwrap
             first = textwrap.fill(f"the value side's token loop forward (templates/chunk_value.py.jinja), not the "
                                   f"key side's staged kernels: {why};", 98, initial_indent="chunk      ",
                                   subsequent_indent=" " * 11)
-        return (f"{first}\n           backward (templates/chunk_value_bwd.py.jinja): a reverse token loop per key tile over\n"
+        back = ("\n           backward: the transposed mixer's chunk, forward + backward, read with do as its query\n"
+                "           (lrdsl/runtime/value_key.py; the token loop's: chunk_value_bwd)\n" if why is None else
+                "\n           backward (templates/chunk_value_bwd.py.jinja): a reverse token loop per key tile over\n"
                 "           per_token's vectors from checkpoints every 64 tokens, their gradients carried to\n"
-                "           the inputs by autograd through per_token (lrdsl/runtime/valueside.py)\n"
+                "           the inputs by autograd through per_token (lrdsl/runtime/valueside.py)\n")
+        return (f"{first}{back}"
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
                 "           the decode path\n")
     decode = decode.format("")

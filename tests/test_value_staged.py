@@ -9,9 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from test_dplr import against_reference, failing, tiered
 from test_oja import spec_text
 from test_recurrent import DEVICE, PoisonTorch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lrdsl
 from lrdsl import cli
@@ -30,8 +32,8 @@ def _no_token_loop(*args, **kwargs):
 def staged(monkeypatch):
     """A value-side mixer whose token loop forward and backward kernel raise, and whose staged
     forward's modules allocate every buffer poisoned with nan (an element never written shows)."""
-    def get(text=None, path=None):
-        m = lrdsl.compile(path, text=text, check_stability=False)
+    def get(text=None, path=None, **options):
+        m = lrdsl.compile(path, text=text, check_stability=False, **options)
         monkeypatch.setattr(m.kernels, "value_chunk_fwd", _no_token_loop)
         monkeypatch.setattr(m.kernels, "value_chunk_bwd", _no_token_loop)
         poison = PoisonTorch()
@@ -51,8 +53,17 @@ def test_oja_takes_the_staged_forward():
         other = lrdsl.compile(text=spec_text(name), check_stability=False, load_kernels=False)
         assert value_key.eligible(other.ir) is not None and other.value_route is None
         assert "not the key side's staged kernels" in " ".join(cli.kernels_text(other.ir).split())
-    assert value_key.eligible(lrdsl.compile(text=spec_text("scalar_decay"), check_stability=False,
-                                            load_kernels=False).ir) is None
+    scalar = lrdsl.compile(text=spec_text("scalar_decay"), check_stability=False, load_kernels=False)
+    assert value_key.eligible(scalar.ir) is None
+    # oja's direct form (the sub-mixer KDA on the raw inputs); a decay per head keeps the vectors
+    assert value_key.direct(m.ir) == value_key.Direct("q", "v", "k", "beta", "gv")
+    assert m.value_route.forward.func is runtime_vk.direct_forward
+    assert "KDA on the raw inputs" in " ".join(cli.kernels_text(m.ir).split())
+    assert value_key.direct(scalar.ir) is None and scalar.value_route.forward.func is runtime_vk.forward
+    assert "per-token vectors" in " ".join(cli.kernels_text(scalar.ir).split())
+    for text in (spec_text("oja").replace("beta k v^T", "beta (k + q) v^T"),  # a write key of two inputs
+                 spec_text("oja").replace("v[V] l2norm", "v[V]")):  # c not normalised
+        assert value_key.direct(lrdsl.compile(text=text, check_stability=False, load_kernels=False).ir) is None
 
 
 CASES = {  # two 64-token chunks and a partial third, packed with an empty sequence, HV = 2 H, h0
@@ -71,6 +82,48 @@ def test_oja_forward_and_gradients(staged, case_id):
     x["gv"] = x["gv"] / 100
     bad = failing(against_reference(m, x, opts, impls=("chunk",)))
     assert not bad, bad
+
+
+class FullSize(TorchDispatchMode):
+    """Records the PyTorch ops (neither kernels nor allocations nor views) that make an fp32 tensor
+    of `numel` elements: the per-token vectors' size."""
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        skip = ("empty", "fill_", "set_", "view", "expand", "detach", "lrdsl.")  # fill_: the poison
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() in self.numel
+                    and not any(w in name for w in skip)):
+                self.ops.append(name)
+        return out
+
+
+def test_direct_form_clamps_and_makes_no_vectors(staged, monkeypatch):
+    """oja's direct form: beta out of its declared range (clamped by the sub-mixer's kernels as the
+    reference clamps it) in a packed batch with an empty sequence, o, S and every gradient against
+    the reference; and no per-token vectors: sub_inputs never runs, and the ops of that size PyTorch
+    makes are the readout's three (b l2norm(v), the floored g, the scaled query) and the backward's two
+    (do's query gradient q scale and q's o' scale), where the vector path makes dozens."""
+    monkeypatch.setattr(runtime_vk, "sub_inputs", _no_token_loop)
+    m = staged(path=EXAMPLES / "oja.lr", check_ranges=False)
+    case = Case(B=1, T=40, H=2, HV=2, K=16, V=16, cu_seqlens=(0, 0, 23, 40), initial_state=True, seed=11)
+    x, opts = draw_inputs(m, case, DEVICE)
+    x["gv"] = x["gv"] / 100
+    x["beta"][:, 3] = 1.7
+    x["beta"][:, 30] = -0.4
+    bad = failing(against_reference(m, x, opts, impls=("chunk",)))
+    assert not bad, bad
+    count = FullSize({case.B * case.T * case.HV * w for w in (case.K, case.V)})
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    do, dS = torch.randn(1, 40, 2, 16, device=DEVICE), torch.randn(3, 2, 16, 16, device=DEVICE)
+    with count:
+        o, s = m.chunk(**leaves, **opts)
+        torch.autograd.backward([o, s], [do, dS])
+    assert len(count.ops) <= 5, count.ops
 
 
 LOG_DECAY = {"oja": "w", "scalar_decay": "s"}

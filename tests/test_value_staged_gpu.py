@@ -7,6 +7,7 @@ the final state, with and without a -inf block of log-decays: o and S against th
 reference and against the token loop forward (LRDSL_VALUE_STAGED=0); and at the benchmark's shape
 (B=4 T=4096 H=16 K=V=128) both forwards' times, printed (the token loop took 32.5 ms on an H100,
 FLA's chunk_gated_oja_rule 2.14 ms). Also `lrdsl bench --backward examples/oja.lr`.
+And the direct form (codegen/value_key.direct) against the per-token vector path, forward + backward.
 """
 from pathlib import Path
 
@@ -81,3 +82,66 @@ def test_oja_staged_forward_time(monkeypatch):
     print(f"oja chunk fwd B=4 T=4096 H=16 K=V=128 bf16: staged {times['staged']:.2f} ms, token loop "
           f"{times['token loop']:.2f} ms, o rms ratio {err:.1e} ({torch.cuda.get_device_name()})")
     assert err < O_TOL
+
+
+def _vector_path(monkeypatch):
+    """oja compiled with codegen/value_key.direct refused: the sub-mixer on the per-token vectors."""
+    from lrdsl.codegen import value_key
+    with monkeypatch.context() as mp:
+        mp.setattr(value_key, "direct", lambda m: None)
+        m = lrdsl.compile(OJA)
+        assert m.value_route is not None and m.value_route.forward.func.__name__ == "forward"
+    return m
+
+
+def test_oja_direct_form_bf16(monkeypatch):
+    """The direct form (the sub-mixer KDA on the raw inputs, 2026-12-06) against the float64
+    reference and the vector path, forward and every gradient, bf16, packed with an empty sequence,
+    grouped value heads, h0 and the final state (test_gpu.py's tolerances); then forward + backward
+    of both at the benchmark's shape, ms printed (the vector path took 15.9 on an H100, FLA 7.8)."""
+    from test_gpu import GATE_TOL, QKV_TOL
+    direct, vectors = lrdsl.compile(OJA), _vector_path(monkeypatch)
+    assert direct.value_route.forward.func.__name__ == "direct_forward"
+    B, T, H, HV, K, V = 1, 3000, 2, 4, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    x = draw(direct, B, T, H, HV, K, V, torch.bfloat16, "cuda", gen)
+    x["gv"][:, 2000:2016] = -float("inf")
+    cu = torch.tensor([0, 700, 700, 2100, 3000], device="cuda")
+    h0 = torch.randn(4, HV, K, V, generator=gen, device="cuda")
+    do = torch.randn(B, T, HV, V, generator=gen, device="cuda")
+    dht = torch.randn(4, HV, K, V, generator=gen, device="cuda")
+
+    def grads(fn, dtype):
+        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+        h = h0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+        o, s = fn(**leaves, initial_state=h, output_final_state=True, cu_seqlens=cu)
+        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
+        return {"o": o.detach(), "S": s.detach(), **{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
+
+    ref = grads(direct.reference, torch.float64)
+    got, old = grads(direct.chunk, torch.bfloat16), grads(vectors.chunk, torch.bfloat16)
+    errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
+    errs.update({f"{n} vs vectors": rms_ratio(got[n], old[n]) for n in ref})
+    print("oja direct", " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        name = n.split()[0]
+        assert e < (O_TOL if name in ("o", "S") else QKV_TOL if name in ("q", "k", "v", "h0") else GATE_TOL), (n, e)
+
+    B, T, H = 4, 4096, 16
+    x = draw(direct, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    times = {}
+    for name, m in (("direct", direct), ("vectors", vectors)):
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        dy = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+        for i in range(6):  # the first compiles and tunes
+            if i == 1:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            o, _ = m.chunk(**leaves)
+            o.backward(dy)
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 5
+    print(f"oja chunk fwd + bwd B=4 T=4096 H=16 K=V=128 bf16: direct {times['direct']:.2f} ms, vectors "
+          f"{times['vectors']:.2f} ms ({torch.cuda.get_device_name()})")
