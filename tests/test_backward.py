@@ -243,9 +243,8 @@ def test_random_spec_chunk_gradients_match_reference(text, drawn):
 # to 3, _staged_states, in all); "general": the general kernels keeping theirs (general_kernels).
 # The specs: the fused solve and WY stage (gated_deltanet), an erase with a decay per key channel
 # (kda), decayed keys from the solve (gla), the decay prefix (mamba2), an auxiliary state (precond_kda)
-KEEP = [("gated_deltanet", "kept"), ("kda", "kept"), ("gla", "kept"), ("mamba2", "kept"), ("precond_kda", "kept"),
-        ("gated_deltanet", "general")]
-SLOW_KEEP = [("kda", "general"), ("precond_kda", "general")]
+KEEP = [("gated_deltanet", "kept"), ("kda", "kept"), ("gla", "kept"), ("mamba2", "kept"), ("gated_deltanet", "general")]
+SLOW_KEEP = [("precond_kda", "kept"), ("kda", "general"), ("precond_kda", "general")]
 
 
 @pytest.mark.parametrize("stem,path", KEEP + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_KEEP],
@@ -351,7 +350,7 @@ def test_kept_staged_states_are_what_the_backward_would_make(stem, compiled):
 
 # ---- torch.compile ---------------------------------------------------------------------------
 # precond_kda: a decay per key channel, shared inputs, an auxiliary state; kda_decay_after_erase: split
-@pytest.mark.parametrize("name", ["precond_kda", "kda_decay_after_erase"])
+@pytest.mark.parametrize("name", [pytest.param("precond_kda", marks=pytest.mark.slow), "kda_decay_after_erase"])
 def test_torch_compile_fullgraph_matches_eager(name, compiled):
     from torch._dynamo.testing import CompileCounterWithBackend
 

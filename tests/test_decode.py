@@ -53,7 +53,8 @@ def _single_steps(mixer, x, state, scale, T):
     return torch.cat(outs, 1), {n: torch.stack([a[n] for a in after], 1) for n in after[0]}
 
 
-@pytest.mark.parametrize("name", STEPPED)
+@pytest.mark.parametrize("name", [n if n in ("gated_deltanet", "delta_product2") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in STEPPED])
 def test_multi_token_step_equals_single_steps(name, compiled):
     """The states after every token and the outputs of one T-token step are those of T one-token
     steps (the same kernel, so to rounding), written into poisoned buffers the caller passed, and the

@@ -312,7 +312,8 @@ def test_one_state_launch_splits_both_states_into_tiles(compiled, small_chunks, 
         assert rms_ratio(o, ref_o) < 1e-4 and rms_ratio(state, ref_state) < 1e-4
 
 
-@pytest.mark.parametrize("which", ["mesa", "retention", "undecayed"])
+@pytest.mark.parametrize("which", ["mesa", pytest.param("retention", marks=pytest.mark.slow),
+                                   pytest.param("undecayed", marks=pytest.mark.slow)])
 def test_chunk_gradients_match_the_reference_autograd(which, compiled, small_chunks):
     """Every input, S0 and G0, with gradients flowing from o and from both final states."""
     mixer = small_chunks(_spec(which, compiled))

@@ -289,10 +289,10 @@ def test_kernels_load_params_once_per_head():
 
 
 # ---- kernels against the reference ---------------------------------------------------------------
-# every spec on the default case in pytest -q but right_gates, atk_gates and value_scan (-m slow: the
+# every spec on the default case in pytest -q but right_gates, atk_gates, value_scan and value_gates (-m slow: the
 # default tier is at its 5-minute limit), every spec on every case under -m slow
 @pytest.mark.parametrize("case_id", default_first(list(CASES), "varlen-5,0,25,7"))
-@pytest.mark.parametrize("name", [n if n not in ("right_gates", "atk_gates", "value_scan") else pytest.param(n, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [n if n not in ("right_gates", "atk_gates", "value_scan", "value_gates") else pytest.param(n, marks=pytest.mark.slow)
                                   for n in ["gated_deltanet_gates", *SPECS]])
 def test_forward_and_gradients_match_the_reference(name, case_id, compiled):
     mixer = mixer_of(compiled, name)

@@ -79,7 +79,9 @@ def test_plan_flag_and_kernels(compiled):
     assert not hasattr(compiled(next(p for p in EXAMPLES if p.stem == "kda")).kernels, "rank2_fwd")
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+# the richest case and T1 in pytest -q, the others under -m slow
+@pytest.mark.parametrize("case_id", [c if c in ("varlen-T150-H2-HV4-K20-V12-h0", "T1") else pytest.param(c, marks=pytest.mark.slow)
+                                     for c in CASES])
 def test_native_forward_matches_reference(case_id, compiled, monkeypatch):
     mixer = _kda_right(compiled)
     poison = PoisonTorch()

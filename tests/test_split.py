@@ -65,7 +65,7 @@ def test_split_reference_is_the_original(name, spoil):
         assert (s2 - s).abs().max() < 1e-12
 
 
-@pytest.mark.parametrize("name", ["erase_other", "right_scalar"])
+@pytest.mark.parametrize("name", ["erase_other", pytest.param("right_scalar", marks=pytest.mark.slow)])
 def test_split_chunk_gradients_match_the_reference(name):
     mixer = _mixer(name)
     assert mixer.split is not None and hasattr(mixer.split.kernels, "staged_fwd")

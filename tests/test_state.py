@@ -155,9 +155,8 @@ o = S^T q
 # S (auxiliary states from zero: the custom op), "kept" a whole state with keep_intermediates (the
 # staged kernels, the backward reading what the forward kept), "general" the same on the general
 # kernels (general_kernels); the others in -m slow
-GRAD_CASES = [("precond_deltanet", "whole"),
-              ("precond_kda", "general"), ("mesa_aux", "whole"), ("stored_lets", "whole")]
-SLOW_GRAD_CASES = [("precond_deltanet", "kept"), ("precond_kda", "whole"), ("gdn2_atk", "whole"), ("precond_deltanet", "S"),
+GRAD_CASES = [("precond_kda", "general"), ("mesa_aux", "whole"), ("stored_lets", "whole")]
+SLOW_GRAD_CASES = [("precond_deltanet", "whole"), ("precond_deltanet", "kept"), ("precond_kda", "whole"), ("gdn2_atk", "whole"), ("precond_deltanet", "S"),
                    ("precond_kda", "S"), ("gdn2_atk", "S"), ("precond_deltanet", "general"), ("gdn2_atk", "general"),
                    ("precond_kda", "kept"), ("gdn2_atk", "kept"), ("mesa", "whole"), ("mesa", "S"), ("mesa_aux", "S")]
 

@@ -170,7 +170,7 @@ def test_a_dry_pass_that_fails_leaves_the_call_alone(monkeypatch):
 
 # kda's module without keep_intermediates under -m slow: kda's with it runs the same dry passes and more
 @pytest.mark.parametrize("name, keep", [("gated_deltanet", False), pytest.param("kda", False, marks=pytest.mark.slow),
-                                        ("kda", True), ("mesa", False)])
+                                        ("kda", True), pytest.param("mesa", False, marks=pytest.mark.slow)])
 def test_a_dry_pass_leaves_the_calls_output_and_gradients_alone(name, keep, compiled, monkeypatch):
     """compile_ahead on a real module (Triton's interpreter): the dry passes of chunk_fwd and
     chunk_bwd run their host code with no kernel launched (nor compiled, here), then the forward and

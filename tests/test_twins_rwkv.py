@@ -123,7 +123,8 @@ def test_flas_comba_kernels_read_p_before_the_decay(mixers):
     assert rms_ratio(o_chunk, ref) > 100 * NAIVE_TOL
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n if n in ("rwkv6", "rwkv7", "comba") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in NAMES])
 def test_chunk_equals_fla_naive(mixers, name):
     """The chunked kernels (fp32, an initial state; two chunks where the decay is per key channel)
     equal FLA's naive loop. rwkv7 and dplr run the order "sum" kernels of the dplr branch."""

@@ -88,7 +88,7 @@ CASES = {
 
 @pytest.mark.parametrize("name, case_id", tiered([("kda_oja", "varlen-H2-HV4-h0"), ("erase_then_decay", "B2-T37-HV2-h0"),
                                                   ("decays_only", "varlen-H2-HV4-h0"), ("additive_n", "B2-T37-HV2-h0")],
-                                                 [("kda_oja", "varlen-H2-HV4-h0"), ("additive_n", "B2-T37-HV2-h0")]))
+                                                 [("kda_oja", "varlen-H2-HV4-h0")]))
 def test_paths_match_the_reference(mixer, name, case_id):
     """recurrent and chunk forward, and chunk's gradient of every input and of the initial state."""
     out = check_case(mixer(name), CASES[case_id], DEVICE, impls=("recurrent", "chunk"), grad=True)

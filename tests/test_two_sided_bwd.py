@@ -119,7 +119,7 @@ def test_vector_gradients_decay_kinds(m_form, n_form):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("BT, with_dht", tiered([(16, True), (8, False), (64, True)], [(16, True)]))
+@pytest.mark.parametrize("BT, with_dht", tiered([(16, True), (8, False), (64, True)], []))
 def test_vector_gradients_batched(BT, with_dht):
     """Equal-length sequences, a scale, checkpoints every 8 or 16 tokens or fewer than one per
     sequence, without dht."""
@@ -168,7 +168,7 @@ def test_inputs_gradients_end_to_end(m_form, n_form):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("which", tiered(["g", "gv"], ["gv"]))
+@pytest.mark.parametrize("which", tiered(["g", "gv"], []))
 def test_inputs_gradients_strong_decays_end_to_end(which):
     """-inf on a whole chunk and on single tokens of M's or N's log-decay, through the chain rule."""
     m = mixer("left", "right")

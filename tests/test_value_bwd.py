@@ -142,7 +142,7 @@ def test_vector_gradients(name):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("BK, BT", tiered([(8, 16), (16, 32), (32, 64)], [(8, 16)]))
+@pytest.mark.parametrize("BK, BT", tiered([(8, 16), (16, 32), (32, 64)], []))
 def test_vector_gradients_batched(BK, BT):
     """Equal-length sequences, a scale, one key tile or two, a checkpoint spacing longer than T."""
     m = mixer("oja")
@@ -181,7 +181,7 @@ STRONG = {  # where (tokens of the packed batch), value
 
 
 @pytest.mark.parametrize("name, strength", tiered([(n, s) for n in ("oja", "scalar_sum") for s in STRONG],
-                                                  [("scalar_sum", "first-inf")]))
+                                                  []))
 def test_vector_gradients_strong_decays(name, strength):
     """Log-decays of -1e4 and -inf (d = 0 exactly, dg = 0 there as exp's derivative has it)."""
     m = mixer(name)

@@ -31,7 +31,8 @@ def oja():
     return m
 
 
-@pytest.mark.parametrize("block_inf", [False, True])
+# block_inf and the gradients under -m slow: the token loop forward is oja's no longer by default
+@pytest.mark.parametrize("block_inf", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_key_tiles_match_the_reference(oja, block_inf, monkeypatch):
     """Three key tiles of 16 (the last one half full), every output element written (poisoned
     buffers), o and the final state against the reference."""
@@ -51,6 +52,7 @@ def test_key_tiles_match_the_reference(oja, block_inf, monkeypatch):
     assert rms_ratio(o, ref_o) < TOL and rms_ratio(s, ref_s) < TOL
 
 
+@pytest.mark.slow
 def test_key_tiles_gradients(oja, monkeypatch):
     """The same forward under the backward kernel: every input's gradient and h0's."""
     monkeypatch.setattr(oja.kernels, "VALUE_FWD_BK", 16)
