@@ -244,12 +244,11 @@ def check_calls(mixer, split, calls):
 
 
 # -m slow: every example once, on two ranks (packed) or on four (SMALL_W4: a sequence over all four,
-# an empty one, a packed batch), the examples alternating between the two in name order; three that
-# span the canonical forms (scalar delta rule, an auxiliary state, per-channel decay with an
-# auxiliary state) on every split of SPLITS, and the fallback spec (its head does not widen) on w2,
+# an empty one, a packed batch), the examples alternating between the two in name order; two that
+# span the canonical forms (a scalar delta rule, an auxiliary state) on every split of SPLITS, and the fallback spec (its head does not widen) on w2,
 # w4 and w4 with V < K. The cases of one world size run in one spawn of the ranks (cp_runs): every
 # example on every split would take CI about 50 minutes, on both w2 and SMALL_W4 about 9.
-SPREAD = ("gated_deltanet", "gdn2_atk", "precond_kda")
+SPREAD = ("gated_deltanet", "gdn2_atk")
 SMALL_W4 = "w4-varlen-small"
 EXTRA = {
     SMALL_W4: Split(Case(B=1, T=100, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 12, 80, 80, 90, 100),
