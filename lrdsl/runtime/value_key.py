@@ -73,21 +73,27 @@ def forward(kernels, b: Batch, names, tensors, h0, *, m: ir.Mixer, sub, floor: f
     kernels' log-decay floor."""
     with torch.no_grad():
         b = dataclasses.replace(b, tensors=dict(zip(names, tensors)))
-        mod = sub.kernels
         inputs, query = sub_inputs(m, b, floor)
-        T0 = None if h0 is None else h0.to(torch.float32).transpose(-1, -2).contiguous()
-        cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64).contiguous()
-        st = mod._staged_states(inputs, 1.0, T0, bool(b.output_final_state), cu)
         c = inputs["k"]
         g = inputs.get("g")
         if g is None:
             g = torch.zeros_like(c, dtype=torch.float32)
         elif g.dim() == 3:  # one log-decay per head
             g = g[..., None].expand(*g.shape, b.V).contiguous()
-        o = out_module(mod.STAGED_CHUNK).value_out(st["hs"], st["e"], c, g, query, st["chunks"], cu, b.T,
-                                                   b.tensors["v"].dtype)
-        final = st["final_state"]
-        return o, (None if final is None else final.transpose(-1, -2).contiguous())
+        return _states_and_readout(sub, b, inputs, h0, c, g, query, b.tensors["v"].dtype)
+
+
+def _states_and_readout(sub, b: Batch, inputs: dict, h0, c, g, query, out_dtype) -> tuple:
+    """Both forms' forward once their inputs are made: the sub-mixer's stages 1 to 3 on `inputs`,
+    then the readout of o from the write key c, the floored log-decay g and the scaled query;
+    (o, the final state as S, or None)."""
+    T0 = None if h0 is None else h0.to(torch.float32).transpose(-1, -2).contiguous()
+    cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64).contiguous()
+    st = sub.kernels._staged_states(inputs, 1.0, T0, bool(b.output_final_state), cu)
+    o = out_module(sub.kernels.STAGED_CHUNK).value_out(st["hs"], st["e"], c, g, query.contiguous(), st["chunks"],
+                                                       cu, b.T, out_dtype)
+    final = st["final_state"]
+    return o, (None if final is None else final.transpose(-1, -2).contiguous())
 
 
 def grads(m: ir.Mixer, b: Batch, names, leaves, h0, do, dht, *, sub, floor: float) -> tuple:
@@ -130,9 +136,6 @@ def direct_forward(kernels, b: Batch, names, tensors, h0, *, m: ir.Mixer, sub, f
     with torch.no_grad():
         x = dict(zip(names, tensors))
         inputs = _direct_sub(d, x, b.HV)
-        T0 = None if h0 is None else h0.to(torch.float32).transpose(-1, -2).contiguous()
-        cu = None if b.cu_seqlens is None else b.cu_seqlens.to(torch.int64).contiguous()
-        st = sub.kernels._staged_states(inputs, 1.0, T0, bool(b.output_final_state), cu)
         v = inputs["k"]
         # the readout's write key on T and g as the kernels make them: b l2norm(v) (the gain b clamped,
         # one factor per row in fp32) and g clamped into [floor, 0] (clamp keeps nan)
@@ -141,10 +144,7 @@ def direct_forward(kernels, b: Batch, names, tensors, h0, *, m: ir.Mixer, sub, f
         c = v * (torch.rsqrt(norm * norm + L2NORM_EPS) * beta).to(v.dtype)
         g = inputs["g"].clamp(floor, 0.0)
         query = _heads(x[d.query], b.HV) * b.scale
-        o = out_module(sub.kernels.STAGED_CHUNK).value_out(st["hs"], st["e"], c, g, query.contiguous(),
-                                                           st["chunks"], cu, b.T, x[d.c].dtype)
-        final = st["final_state"]
-        return o, (None if final is None else final.transpose(-1, -2).contiguous())
+        return _states_and_readout(sub, b, inputs, h0, c, g, query, x[d.c].dtype)
 
 
 def direct_grads(m: ir.Mixer, b: Batch, names, leaves, h0, do, dht, *, sub, floor: float, d) -> tuple:
