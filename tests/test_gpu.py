@@ -32,6 +32,18 @@ def state_error(s, ref):
     return rms_ratio(s, ref)
 
 
+def loss_grads(fn, x, dtype, h0, do, dht, **kw):
+    """o, the final state S and the gradients of (o . do) + (S . dht) with respect to every input and
+    h0, for fn (a mixer's chunk or reference) on x cast to dtype. The leaves are fresh copies, never
+    x's own tensors: t.to(dtype) of a tensor already in dtype is t itself, and a second call would
+    add its gradients to the first's."""
+    leaves = {n: t.detach().to(dtype).clone().requires_grad_() for n, t in x.items()}
+    h = h0.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).clone().requires_grad_()
+    o, s = fn(**leaves, initial_state=h, output_final_state=True, **kw)
+    ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
+    return {"o": o.detach(), "S": s.detach(), **{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
+
+
 def draw(mixer, B, T, H, HV, K, V, dtype, device, gen):
     out = {}
     for i in mixer.ir.inputs:
@@ -117,7 +129,7 @@ def _check_backward_bf16(mixer, label):
         return weights[name]
 
     def grads(fn, dtype):
-        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+        leaves = {n: t.detach().to(dtype).clone().requires_grad_() for n, t in x.items()}
         h = h0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
         o, s = fn(**leaves, initial_state=h, output_final_state=True)
         loss = (o.double() * do.double()).sum()
@@ -375,7 +387,7 @@ def test_offline_solve_bf16(path, K):
         assert eo < 1e-2 and es < 1e-2, (which, eo, es)
 
     def grads(fn, dtype):
-        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+        leaves = {n: t.detach().to(dtype).clone().requires_grad_() for n, t in x.items()}
         S0 = (warm.S if dtype == torch.float64 else h0.S).clone().requires_grad_()
         start = lrdsl.MixerState(S0, warm.aux if dtype == torch.float64 else h0.aux)
         o, _ = fn(**leaves, initial_state=start)

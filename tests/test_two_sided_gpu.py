@@ -10,7 +10,7 @@ memory for each checkpoint spacing, printed, with a bound on the memory.
 """
 import pytest
 import torch
-from test_gpu import GATE_TOL, QKV_TOL, draw, rms_ratio
+from test_gpu import GATE_TOL, QKV_TOL, draw, loss_grads, rms_ratio
 from test_value_bwd_gpu import time_fwd_bwd
 
 import lrdsl
@@ -37,16 +37,9 @@ def test_two_sided_packed_grouped_bf16(block_inf):
     do = torch.randn(B, T, HV, V, generator=gen, device="cuda")
     dht = torch.randn(4, HV, K, V, generator=gen, device="cuda")
 
-    def run(fn, dtype):
-        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
-        h = h0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
-        o, s = fn(**leaves, initial_state=h, output_final_state=True, cu_seqlens=cu)
-        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
-        return o.detach(), s.detach(), {**{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
-
-    ref_o, ref_s, ref = run(mixer.reference, torch.float64)
-    o, s, got = run(mixer.chunk, torch.bfloat16)
-    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s)} | {n: rms_ratio(got[n], ref[n]) for n in ref}
+    ref = loss_grads(mixer.reference, x, torch.float64, h0, do, dht, cu_seqlens=cu)
+    got = loss_grads(mixer.chunk, x, torch.bfloat16, h0, do, dht, cu_seqlens=cu)
+    errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
     print("two-sided bwd", block_inf or "", " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
     for n, e in errs.items():
         assert e < (5e-3 if n in ("o", "S") else QKV_TOL if n in ("q", "k", "v", "h0") else GATE_TOL), (n, e)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gpu import GATE_TOL, QKV_TOL, draw, rms_ratio
+from test_gpu import GATE_TOL, QKV_TOL, draw, loss_grads, rms_ratio
 
 import lrdsl
 
@@ -32,16 +32,9 @@ def test_oja_backward_packed_grouped_bf16(block_inf):
     do = torch.randn(B, T, HV, V, generator=gen, device="cuda")
     dht = torch.randn(4, HV, K, V, generator=gen, device="cuda")
 
-    def grads(fn, dtype):
-        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
-        h = h0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
-        o, s = fn(**leaves, initial_state=h, output_final_state=True, cu_seqlens=cu)
-        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
-        return {**{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
-
-    ref = grads(mixer.reference, torch.float64)
-    got = grads(mixer.chunk, torch.bfloat16)
-    errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
+    ref = loss_grads(mixer.reference, x, torch.float64, h0, do, dht, cu_seqlens=cu)
+    got = loss_grads(mixer.chunk, x, torch.bfloat16, h0, do, dht, cu_seqlens=cu)
+    errs = {n: rms_ratio(got[n], ref[n]) for n in ref if n not in ("o", "S")}
     print("oja value bwd", "block-inf" if block_inf else "", " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
     for n, e in errs.items():
         assert e < (QKV_TOL if n in ("q", "k", "v", "h0") else GATE_TOL), (n, e)

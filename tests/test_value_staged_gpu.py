@@ -99,7 +99,7 @@ def test_oja_direct_form_bf16(monkeypatch):
     reference and the vector path, forward and every gradient, bf16, packed with an empty sequence,
     grouped value heads, h0 and the final state (test_gpu.py's tolerances); then forward + backward
     of both at the benchmark's shape, ms printed (the vector path took 15.9 on an H100, FLA 7.8)."""
-    from test_gpu import GATE_TOL, QKV_TOL
+    from test_gpu import GATE_TOL, QKV_TOL, loss_grads
     direct, vectors = lrdsl.compile(OJA), _vector_path(monkeypatch)
     assert direct.value_route.forward.func.__name__ == "direct_forward"
     B, T, H, HV, K, V = 1, 3000, 2, 4, 128, 128
@@ -111,15 +111,9 @@ def test_oja_direct_form_bf16(monkeypatch):
     do = torch.randn(B, T, HV, V, generator=gen, device="cuda")
     dht = torch.randn(4, HV, K, V, generator=gen, device="cuda")
 
-    def grads(fn, dtype):
-        leaves = {n: t.to(dtype).requires_grad_() for n, t in x.items()}
-        h = h0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
-        o, s = fn(**leaves, initial_state=h, output_final_state=True, cu_seqlens=cu)
-        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
-        return {"o": o.detach(), "S": s.detach(), **{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
-
-    ref = grads(direct.reference, torch.float64)
-    got, old = grads(direct.chunk, torch.bfloat16), grads(vectors.chunk, torch.bfloat16)
+    ref = loss_grads(direct.reference, x, torch.float64, h0, do, dht, cu_seqlens=cu)
+    got = loss_grads(direct.chunk, x, torch.bfloat16, h0, do, dht, cu_seqlens=cu)
+    old = loss_grads(vectors.chunk, x, torch.bfloat16, h0, do, dht, cu_seqlens=cu)
     errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
     errs.update({f"{n} vs vectors": rms_ratio(got[n], old[n]) for n in ref})
     print("oja direct", " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
