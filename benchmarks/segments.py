@@ -19,6 +19,7 @@ over key heads, q and k are repeated to HV heads before the timed call (marked `
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +69,10 @@ def main(argv=None) -> int:
     ap.add_argument("--all-segments", action="store_true", help="every --segments at the standard shapes too")
     ap.add_argument("--flashqla", action="store_true", help="gated_deltanet beside FlashQLA too (needs flash_qla)")
     a = ap.parse_args(argv)
+    # FLA's column is its Triton kernels: fla-core 0.6 hands chunk_gated_delta_rule to FlashQLA
+    # wherever flash_qla imports (its backend registry, read at each call), which made the two columns
+    # one op on 2026-12-06; FlashQLA has its own row
+    os.environ["FLA_FLASH_QLA"] = "0"
     import lrdsl
     from lrdsl.bench import _fla_compiles_at_once, measure
     from lrdsl.runtime import segments as seg
