@@ -13,6 +13,7 @@ that generated kernels give the same bits either way.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 _LAUNCHES: list = []  # per launch in progress: the sets of language modules patched in it
@@ -62,7 +63,85 @@ def install():
     helper._lrdsl_tests = True
     grid.original_call, fn_cls.original_call = launch_call, helper_call
     grid.__call__, fn_cls.__call__ = launch, helper
+    _install_types(I)
     return True
+
+
+def _tuple_type_init(self, types, fields=None):
+    self.types = types
+    self.fields = fields or [""] * len(types)
+
+
+def _tuple_type_name(self):
+    return "[" + ",".join(f"{k}:{v}" for k, v in zip(self.fields, self.types)) + "]"
+
+
+def _block_type_init(self, element_ty, shape):
+    import triton.language.core as core
+    self.element_ty = element_ty
+    assert isinstance(shape, (list, core.tuple))
+    self.shape = core.tuple(core._unwrap_shape(shape))  # triton.language.core.tuple, as its own init
+    if not self.shape:
+        raise TypeError("0d block_type is forbidden")
+    self.numel = core.validate_block_shape(self.shape)
+
+
+def _block_type_name(self):
+    return f"<{self.shape}, {self.element_ty}>"
+
+
+def _tuple_init(self, args, type=None):
+    import triton.language.core as core
+    self.values = [i for i in args]
+    if isinstance(type, core.tuple_type):
+        self.type = type
+    elif type is not None:
+        self.type = core.tuple_type(type)
+
+
+def _tuple_type(self):
+    import triton.language.core as core
+    return core._type_for_tuple_values(self.values)
+
+
+def _lazy_types():
+    """(class, its init without the attribute, the attribute, what makes it) for the Triton these
+    inits mirror (3.6's, which constraints-cpu.txt pins), else none."""
+    import triton
+    import triton.language.core as core
+    if not triton.__version__.startswith("3.6."):
+        return ()
+    return ((core.tuple_type, _tuple_type_init, "name", _tuple_type_name),
+            (core.block_type, _block_type_init, "name", _block_type_name),
+            (core.tuple, _tuple_init, "type", _tuple_type))
+
+
+def _install_types(I):
+    """Two more costs of the interpreter's Python that repeat the same answer. Every tensor it makes
+    builds a tl.tuple of its shape and a block_type; the tuple's type and the types' names
+    (tuple_type's, block_type's) are made at once, and most are never read: about a third of a
+    segmented test's time under cProfile. They become functools.cached_property, made at the first
+    read. And _get_np_dtype builds its dict of types at every call: a dict filled once per Triton
+    type."""
+    for cls, init, attr, make in _lazy_types():
+        if "original_init" not in cls.__dict__:
+            lazy = functools.cached_property(make)
+            lazy.__set_name__(cls, attr)
+            cls.original_init, cls.__init__ = cls.__init__, init
+            setattr(cls, attr, lazy)
+    if not getattr(I._get_np_dtype, "_lrdsl_tests", False):
+        plain, seen = I._get_np_dtype, {}
+
+        def np_dtype(tt_dtype):
+            try:
+                return seen[tt_dtype]
+            except KeyError:
+                seen[tt_dtype] = plain(tt_dtype)
+                return seen[tt_dtype]
+            except TypeError:  # not hashable: as the interpreter does
+                return plain(tt_dtype)
+        np_dtype._lrdsl_tests, np_dtype.original = True, plain
+        I._get_np_dtype = np_dtype
 
 
 def uninstall():
@@ -71,3 +150,10 @@ def uninstall():
     if getattr(I.InterpretedFunction.__call__, "_lrdsl_tests", False):
         I.GridExecutor.__call__ = I.GridExecutor.original_call
         I.InterpretedFunction.__call__ = I.InterpretedFunction.original_call
+    for cls, _, attr, _ in _lazy_types():
+        if "original_init" in cls.__dict__:
+            cls.__init__ = cls.original_init
+            delattr(cls, attr)
+            del cls.original_init
+    if getattr(I._get_np_dtype, "_lrdsl_tests", False):
+        I._get_np_dtype = I._get_np_dtype.original

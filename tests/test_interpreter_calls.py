@@ -1,9 +1,10 @@
-"""conftest.py's cheaper helper calls for Triton's interpreter (tests/interpreter_calls.py) give the
-same bits as the interpreter's own calls: generated kernels forward and backward (staged scalar and
-per-channel decays, an auxiliary state, the general kernels), the recurrent kernel, and
-triton.language is left as the interpreter's own launch leaves it."""
+"""conftest.py's cheaper helper calls and type bookkeeping for Triton's interpreter
+(tests/interpreter_calls.py) give the same bits as the interpreter's own: generated kernels forward
+and backward (staged scalar and per-channel decays, an auxiliary state, the general kernels), the
+recurrent kernel, and triton.language is left as the interpreter's own launch leaves it."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import interpreter_calls
@@ -39,7 +40,9 @@ def test_cheaper_helper_calls_give_the_interpreters_bits(name, compiled):
     skipped = interpreter_calls.SKIPPED[0]
     fast = outputs(mixer)
     assert interpreter_calls.SKIPPED[0] > skipped  # the cheaper calls were taken
+    assert isinstance(tl.core.block_type.__dict__.get("name"), functools.cached_property)  # lazy type names
     interpreter_calls.uninstall()
+    assert not {"name", "type"} & {*tl.core.block_type.__dict__, *tl.core.tuple_type.__dict__, *tl.core.tuple.__dict__}
     try:
         slow = outputs(mixer)
     finally:
