@@ -7,7 +7,8 @@ the final state, with and without a -inf block of log-decays: o and S against th
 reference and against the token loop forward (LRDSL_VALUE_STAGED=0); and at the benchmark's shape
 (B=4 T=4096 H=16 K=V=128) both forwards' times, printed (the token loop took 32.5 ms on an H100,
 FLA's chunk_gated_oja_rule 2.14 ms). Also `lrdsl bench --backward examples/oja.lr`.
-And the direct form (codegen/value_key.direct) against the per-token vector path, forward + backward.
+And the direct form (codegen/value_key.direct) against the per-token vector path, forward + backward;
+and the readout kernel's value tiles and warps, timed (a sweep for its defaults).
 """
 from pathlib import Path
 
@@ -139,3 +140,33 @@ def test_oja_direct_form_bf16(monkeypatch):
         times[name] = start.elapsed_time(end) / 5
     print(f"oja chunk fwd + bwd B=4 T=4096 H=16 K=V=128 bf16: direct {times['direct']:.2f} ms, vectors "
           f"{times['vectors']:.2f} ms ({torch.cuda.get_device_name()})")
+
+
+@pytest.mark.parametrize("max_bv", [16, 32])
+@pytest.mark.parametrize("warps", [2, 4, 8])
+def test_oja_readout_tiles_time(warps, max_bv, monkeypatch):
+    """The readout kernel (templates/chunk_value_out.py.jinja) at each of its value tiles (MAX_BV)
+    and warps (WARPS), oja's forward at the benchmark's shape (B=4 T=4096 H=16 K=V=128 bf16): ms
+    printed for choosing the defaults (the readout took about 2.3 of the forward's 3.4 ms on an H100
+    at 32a3cad), o against the defaults' o."""
+    from lrdsl.runtime import value_key
+    m = lrdsl.compile(OJA)
+    B, T, H, K, V = 4, 4096, 16, 128, 128
+    x = draw(m, B, T, H, H, K, V, torch.bfloat16, "cuda", torch.Generator(device="cuda").manual_seed(9))
+    with torch.no_grad():
+        base, _ = m.chunk(**x)
+        out = value_key.out_module(m.value_route.forward.keywords["sub"].kernels.STAGED_CHUNK)
+        monkeypatch.setattr(out, "WARPS", warps)
+        monkeypatch.setattr(out, "MAX_BV", max_bv)
+        o, _ = m.chunk(**x)  # compiles this variant
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            m.chunk(**x)
+        end.record()
+        torch.cuda.synchronize()
+    err = rms_ratio(o, base)
+    print(f"oja fwd, readout WARPS={warps} MAX_BV={max_bv}: {start.elapsed_time(end) / 10:.3f} ms, o vs the "
+          f"defaults' {err:.1e} ({torch.cuda.get_device_name()})")
+    assert err < 1e-2
