@@ -244,6 +244,7 @@ def twin(mixer):
         op = _fla(name)
     except Exception:  # fla-core not installed, or an older one without this op
         return None
+    name += fla_backend(name)
 
     fresh = {}  # gates the spec lacks, drawn at the first call: not in the timed ones after it
 
@@ -264,6 +265,24 @@ def twin(mixer):
             kw["use_qk_l2norm_in_kernel"] = False
         return op(**kw)[0]
     return name, run
+
+
+# FLA ops that fla-core hands to another library where it imports and its switch is not "0"
+# (fla-core 0.6's backend registry): the op's label says so, for a column marked FLA that is not
+# FLA's own Triton kernels
+FLA_BACKENDS = {"gated_delta_rule.chunk_gated_delta_rule": ("flash_qla", "FLA_FLASH_QLA", "FlashQLA")}
+
+
+def fla_backend(name: str) -> str:
+    """A note for op `name`'s label where FLA would hand it to another library here (FlashQLA), else ""."""
+    import importlib.util
+    import os
+    if name not in FLA_BACKENDS:
+        return ""
+    package, switch, label = FLA_BACKENDS[name]
+    if os.environ.get(switch, "1") == "0" or importlib.util.find_spec(package) is None:
+        return ""
+    return f" ({label} via FLA; {switch}=0 for FLA's Triton kernels)"
 
 
 def nominal_flop(mixer, s: Shape, bt: int = 64) -> float:

@@ -131,3 +131,22 @@ def test_decode_row_steps_verifies_and_rolls_back(monkeypatch):
     # the state each step found: zeros, then moved by the one-token step, then by the second one
     assert "fla_ms" not in r and len(steps) == 3 and not steps[0].any() and steps[1].any()
     assert not torch.equal(steps[1], steps[2])
+
+
+def test_the_fla_column_says_when_fla_hands_its_op_to_flashqla(monkeypatch):
+    """fla-core 0.6 runs chunk_gated_delta_rule as FlashQLA wherever flash_qla imports (its switch
+    FLA_FLASH_QLA not "0"): the twin's label says so there, and only there."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_qla" else real(n, *a))
+    monkeypatch.setattr(bench, "_fla", lambda name: lambda **kw: (kw["v"],))
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    gdn = lrdsl.compile("examples/gated_deltanet.lr", load_kernels=False)
+    name, _ = bench.twin(gdn)
+    assert name == "gated_delta_rule.chunk_gated_delta_rule (FlashQLA via FLA; FLA_FLASH_QLA=0 for FLA's Triton kernels)"
+    assert bench.twin(lrdsl.compile("examples/kda.lr", load_kernels=False))[0] == "kda.chunk_kda"
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    assert bench.twin(gdn)[0] == "gated_delta_rule.chunk_gated_delta_rule"
+    monkeypatch.delenv("FLA_FLASH_QLA")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_qla" else real(n, *a))
+    assert bench.twin(gdn)[0] == "gated_delta_rule.chunk_gated_delta_rule"
