@@ -32,6 +32,18 @@ def state_error(s, ref):
     return rms_ratio(s, ref)
 
 
+def event_ms(step, reps: int) -> float:
+    """ms per call of step() over reps calls, between two CUDA events (the caller has compiled it)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def loss_grads(fn, x, dtype, h0, do, dht, **kw):
     """o, the final state S and the gradients of (o . do) + (S . dht) with respect to every input and
     h0, for fn (a mixer's chunk or reference) on x cast to dtype. The leaves are fresh copies, never

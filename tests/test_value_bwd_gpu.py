@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gpu import GATE_TOL, QKV_TOL, draw, loss_grads, rms_ratio
+from test_gpu import GATE_TOL, QKV_TOL, draw, event_ms, loss_grads, rms_ratio
 
 import lrdsl
 
@@ -74,14 +74,8 @@ def test_oja_forward_key_tiles(BK, monkeypatch):
         o, _ = mixer.chunk(**x)
         ref, _ = mixer.reference(**{n: t[:1].double() for n, t in x.items()})
         err = rms_ratio(o[:1], ref)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            mixer.chunk(**x)
-        end.record()
-        torch.cuda.synchronize()
-    print(f"oja chunk fwd B=4 T=4096 H=16 K=V=128 bf16, VALUE_FWD_BK={BK}: {start.elapsed_time(end) / 5:.2f} ms, "
+        ms = event_ms(lambda: mixer.chunk(**x), 5)
+    print(f"oja chunk fwd B=4 T=4096 H=16 K=V=128 bf16, VALUE_FWD_BK={BK}: {ms:.2f} ms, "
           f"o rms ratio {err:.1e} ({torch.cuda.get_device_name()})")
     assert err < 5e-3
 
@@ -101,10 +95,5 @@ def time_fwd_bwd(mixer, B=4, T=4096, H=16, K=128, V=128):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 3, (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    ms = event_ms(step, 3)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2 ** 30

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gpu import draw, rms_ratio
+from test_gpu import draw, event_ms, rms_ratio
 
 import lrdsl
 
@@ -70,14 +70,7 @@ def test_oja_staged_forward_time(monkeypatch):
     with torch.no_grad():
         for name, m in (("staged", staged), ("token loop", loop)):
             o, _ = m.chunk(**x)  # compile, tune
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                m.chunk(**x)
-            end.record()
-            torch.cuda.synchronize()
-            times[name] = start.elapsed_time(end) / 5
+            times[name] = event_ms(lambda m=m: m.chunk(**x), 5)
         ref, _ = staged.reference(**{n: t[:1].double() for n, t in x.items()})
         err = rms_ratio(staged.chunk(**x)[0][:1], ref)
     print(f"oja chunk fwd B=4 T=4096 H=16 K=V=128 bf16: staged {times['staged']:.2f} ms, token loop "
@@ -128,16 +121,12 @@ def test_oja_direct_form_bf16(monkeypatch):
     for name, m in (("direct", direct), ("vectors", vectors)):
         leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
         dy = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
-        for i in range(6):  # the first compiles and tunes
-            if i == 1:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+
+        def step(m=m, leaves=leaves, dy=dy):
             o, _ = m.chunk(**leaves)
             o.backward(dy)
-        end.record()
-        torch.cuda.synchronize()
-        times[name] = start.elapsed_time(end) / 5
+        step()  # compiles and tunes
+        times[name] = event_ms(step, 5)
     print(f"oja chunk fwd + bwd B=4 T=4096 H=16 K=V=128 bf16: direct {times['direct']:.2f} ms, vectors "
           f"{times['vectors']:.2f} ms ({torch.cuda.get_device_name()})")
 
@@ -159,14 +148,8 @@ def test_oja_readout_tiles_time(warps, max_bv, monkeypatch):
         monkeypatch.setattr(out, "WARPS", warps)
         monkeypatch.setattr(out, "MAX_BV", max_bv)
         o, _ = m.chunk(**x)  # compiles this variant
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            m.chunk(**x)
-        end.record()
-        torch.cuda.synchronize()
+        ms = event_ms(lambda: m.chunk(**x), 10)
     err = rms_ratio(o, base)
-    print(f"oja fwd, readout WARPS={warps} MAX_BV={max_bv}: {start.elapsed_time(end) / 10:.3f} ms, o vs the "
+    print(f"oja fwd, readout WARPS={warps} MAX_BV={max_bv}: {ms:.3f} ms, o vs the "
           f"defaults' {err:.1e} ({torch.cuda.get_device_name()})")
     assert err < 1e-2
