@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+import triton.language.core as core
+
 _LAUNCHES: list = []  # per launch in progress: the sets of language modules patched in it
 _KEYS: dict = {}  # id(fn) -> (fn, the language modules visible from fn's globals)
 SKIPPED = [0]  # helper calls that skipped the repeated patching (for the test)
@@ -77,7 +79,6 @@ def _tuple_type_name(self):
 
 
 def _block_type_init(self, element_ty, shape):
-    import triton.language.core as core
     self.element_ty = element_ty
     assert isinstance(shape, (list, core.tuple))
     self.shape = core.tuple(core._unwrap_shape(shape))  # triton.language.core.tuple, as its own init
@@ -91,7 +92,6 @@ def _block_type_name(self):
 
 
 def _tuple_init(self, args, type=None):
-    import triton.language.core as core
     self.values = [i for i in args]
     if isinstance(type, core.tuple_type):
         self.type = type
@@ -100,7 +100,6 @@ def _tuple_init(self, args, type=None):
 
 
 def _tuple_type(self):
-    import triton.language.core as core
     return core._type_for_tuple_values(self.values)
 
 
@@ -108,7 +107,6 @@ def _lazy_types():
     """(class, its init without the attribute, the attribute, what makes it) for the Triton these
     inits mirror (3.6's, which constraints-cpu.txt pins), else none."""
     import triton
-    import triton.language.core as core
     if not triton.__version__.startswith("3.6."):
         return ()
     return ((core.tuple_type, _tuple_type_init, "name", _tuple_type_name),
