@@ -10,7 +10,9 @@ inputs hold, during one call; with the backward also what the forward leaves all
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -275,8 +277,6 @@ FLA_BACKENDS = {"gated_delta_rule.chunk_gated_delta_rule": ("flash_qla", "FLA_FL
 
 def fla_backend(name: str) -> str:
     """A note for op `name`'s label where FLA would hand it to another library here (FlashQLA), else ""."""
-    import importlib.util
-    import os
     if name not in FLA_BACKENDS:
         return ""
     package, switch, label = FLA_BACKENDS[name]
