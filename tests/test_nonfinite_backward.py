@@ -210,6 +210,36 @@ def test_device_copies_flags_and_nan_at(compiled):
         assert torch.isnan(gr.float()).tolist() == w, n
 
 
+def test_flag_gated_kernels_stride_over_every_block(compiled, monkeypatch):
+    """nan_at and the residual's zeroing run a bounded grid that strides (nonfinite._flag_grid):
+    with two programs over five blocks and a partial sixth, bad entries in the first, fourth and
+    last block get nan in the gradient (zero in the residual) and nothing else changes; with the
+    flags clear nothing is written at all."""
+    from lrdsl.runtime import nonfinite
+    monkeypatch.setattr(nonfinite, "FLAG_PROGRAMS", 2)
+    mixer = compiled(spec_path("gated_deltanet"))
+    n = 5 * nonfinite.BLOCK + 37
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(n, generator=gen).to(DEVICE)
+    where = [5, 3 * nonfinite.BLOCK + 1, n - 1]
+    q[where] = math.nan
+    _, flags = nonfinite.device_copies(mixer.ir, ["q"], [q])
+    assert int(flags[0]) == 1
+    grad = torch.randn(n, generator=gen).to(DEVICE)
+    want = grad.clone()
+    want[where] = math.nan
+    got, = nonfinite.device_nan_at(mixer.ir, ["q"], [q], [grad.clone()], flags)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])
+    residual = q.clone()
+    zeroed = nonfinite.zero_nonfinite_(residual, flags[0])
+    assert torch.equal(zeroed, torch.nan_to_num(q, nan=0.0))
+    clean = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    untouched = nonfinite.device_nan_at(mixer.ir, ["q"], [q], [grad.clone()], [clean])[0]
+    assert torch.equal(untouched, grad)
+    kept = q.clone()
+    assert torch.equal(torch.isnan(nonfinite.zero_nonfinite_(kept, clean)), torch.isnan(q))
+
+
 # -inf in an input that is a log-decay itself but not declared `log` (no range, or (-inf, 0]):
 # exp(-inf) = 0 is a reset, and the float64 reference's gradients are finite everywhere. The guard
 # took it for a bad entry and ran the backward on a finite fill (a decay near 1, not 0): every

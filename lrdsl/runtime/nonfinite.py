@@ -200,32 +200,50 @@ def _finite_copy_kernel(x_ptr, y_ptr, flags_ptr, slot, n, fill, POS: tl.constexp
 @triton.jit
 def _nan_at_bad_kernel(g_ptr, x_ptr, flag_ptr, n, POS: tl.constexpr, NEG: tl.constexpr, BLOCK: tl.constexpr):
     # in place: g = nan where x is bad (nan; +inf with POS; -inf with NEG); nothing read or written
-    # where x's flag says it has no non-finite entry
+    # where x's flag says it has no non-finite entry. A bounded grid strides over x (_flag_grid): a
+    # clean input, the common case, costs one load of the flag per program
     if tl.load(flag_ptr) != 0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        bad = x != x
-        if POS:
-            bad = bad | (x == float("inf"))
-        if NEG:
-            bad = bad | (x == float("-inf"))
-        tl.store(g_ptr + offs, tl.full([BLOCK], float("nan"), tl.float32).to(g_ptr.dtype.element_ty), mask=m & bad)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            bad = x != x
+            if POS:
+                bad = bad | (x == float("inf"))
+            if NEG:
+                bad = bad | (x == float("-inf"))
+            tl.store(g_ptr + offs, tl.full([BLOCK], float("nan"), tl.float32).to(g_ptr.dtype.element_ty),
+                     mask=m & bad)
 
 
 @triton.jit
 def _zero_nonfinite_kernel(x_ptr, flag_ptr, n, BLOCK: tl.constexpr):
     # in place: x = 0 where it is not finite, where the flag says some input has a non-finite entry
+    # (a bounded grid striding over x, as _nan_at_bad_kernel)
     if tl.load(flag_ptr) != 0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        bad = (x != x) | (x == float("inf")) | (x == float("-inf"))
-        tl.store(x_ptr + offs, tl.zeros([BLOCK], tl.float32).to(x_ptr.dtype.element_ty), mask=m & bad)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            bad = (x != x) | (x == float("inf")) | (x == float("-inf"))
+            tl.store(x_ptr + offs, tl.zeros([BLOCK], tl.float32).to(x_ptr.dtype.element_ty), mask=m & bad)
 
 
 def _launch_blocks(n: int) -> tuple:
     return (max(1, triton.cdiv(n, BLOCK)),)
+
+
+FLAG_PROGRAMS = 1024  # the most programs of the flag-gated kernels (about eight per SM of an H100)
+
+
+def _flag_grid(n: int) -> tuple:
+    """The flag-gated kernels' grid: one program per block up to FLAG_PROGRAMS, which then stride.
+    With the flag clear each program exits after one load, so the launch costs what its programs
+    cost to start (a block per program made tens of thousands at the benchmark's shapes: about
+    16 us a launch on an H100 for nothing, 2026-12-06)."""
+    return (max(1, min(triton.cdiv(n, BLOCK), FLAG_PROGRAMS)),)
 
 
 def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
@@ -242,7 +260,7 @@ def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
         if g.shape != t.shape or not g.is_contiguous() or not g.numel():
             out.append(g.masked_fill(_bad(spec[n], t, n in rs), math.nan))
             continue
-        _nan_at_bad_kernel[_launch_blocks(g.numel())](g, t.contiguous(), f, g.numel(), POS=pos, NEG=neg, BLOCK=BLOCK)
+        _nan_at_bad_kernel[_flag_grid(g.numel())](g, t.contiguous(), f, g.numel(), POS=pos, NEG=neg, BLOCK=BLOCK)
         out.append(g)
     return out
 
@@ -251,7 +269,7 @@ def zero_nonfinite_(x, flag):
     """x (a contiguous tensor this backward owns, or None) with its non-finite entries zeroed in place
     where flag (0-dim int32) is set; returned."""
     if x is not None and x.numel():
-        _zero_nonfinite_kernel[_launch_blocks(x.numel())](x, flag, x.numel(), BLOCK=BLOCK)
+        _zero_nonfinite_kernel[_flag_grid(x.numel())](x, flag, x.numel(), BLOCK=BLOCK)
     return x
 
 
