@@ -131,7 +131,7 @@ def test_oja_direct_form_bf16(monkeypatch):
           f"{times['vectors']:.2f} ms ({torch.cuda.get_device_name()})")
 
 
-@pytest.mark.parametrize("max_bv", [16, 32])
+@pytest.mark.parametrize("max_bv", [16, 32, 64])
 @pytest.mark.parametrize("warps", [2, 4, 8])
 def test_oja_readout_tiles_time(warps, max_bv, monkeypatch):
     """The readout kernel (templates/chunk_value_out.py.jinja) at each of its value tiles (MAX_BV)

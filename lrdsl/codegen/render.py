@@ -35,7 +35,8 @@ def render_solve(solve, version: str) -> str:
 def render_value_out(chunk: int, block: int, version: str) -> str:
     """The readout kernel of a value side on the key side's staged kernels (codegen/value_key.py):
     the same for every spec, for chunks of `chunk` tokens cut into blocks of `block`."""
-    return _render("chunk_value_out.py.jinja", chunk=chunk, block=block, version=version)
+    return _render("chunk_value_out.py.jinja", chunk=chunk, block=block, span=Plan.diagonal_block_span,
+                   version=version)
 
 
 def _render(template: str, **context) -> str:
