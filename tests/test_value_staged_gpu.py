@@ -137,7 +137,8 @@ def test_oja_readout_tiles_time(warps, max_bv, monkeypatch):
     """The readout kernel (templates/chunk_value_out.py.jinja) at each of its value tiles (MAX_BV)
     and warps (WARPS), oja's forward at the benchmark's shape (B=4 T=4096 H=16 K=V=128 bf16): ms
     printed for choosing the defaults (the readout took about 2.3 of the forward's 3.4 ms on an H100
-    at 32a3cad), o against the defaults' o."""
+    at 32a3cad as a [16, 16, BV] tile, 0.63 of 1.71 on tensor cores at 140e797), o against the
+    defaults' o."""
     from lrdsl.runtime import value_key
     m = lrdsl.compile(OJA)
     B, T, H, K, V = 4, 4096, 16, 128, 128
