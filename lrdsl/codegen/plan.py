@@ -409,12 +409,12 @@ class Plan:
         [B, T, n, heads, width] tensor), its heads width apart."""
         if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
             return ""
-        at = f"{ptr} + {rows} // sub_n * rs_{name} + {head} * {width}"
+        at = f"{ptr} + {self._sub_token(rows)} * rs_{name} + {head} * {width}"
         if name == self.sub_query:
             return at
         off = "0"
         for j in range(self.sub_tokens - 1, 0, -1):
-            off = f"tl.where({rows} % sub_n == {j}, off_{name}_{j}, {off})"
+            off = f"tl.where({self._sub_step(rows)} == {j}, off_{name}_{j}, {off})"
         return f"{at} + {off}"
 
     def sub_grad(self, name: str, ptr: str, rows: str, width: str, tail: str) -> str:
@@ -424,8 +424,8 @@ class Plan:
         sub-token's alone: sub_grad_mask; the others have none, their outputs being unread)."""
         if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
             return ""
-        at = f"{ptr} + ({rows} // sub_n * HV + i_hv) * {width}"
-        return f"{at} + {tail}" if name == self.sub_query else f"{at} + {rows} % sub_n * step_{name} + {tail}"
+        at = f"{ptr} + ({self._sub_token(rows)} * HV + i_hv) * {width}"
+        return f"{at} + {tail}" if name == self.sub_query else f"{at} + {self._sub_step(rows)} * step_{name} + {tail}"
 
     def sub_out(self, ptr: str) -> tuple:
         """(address, mask factor) of o's or dO's row `rows` (value tile o_v) at `ptr` with
@@ -433,12 +433,21 @@ class Plan:
         is its last sub-token's), else ("", "")."""
         if not self.sub_tokens:
             return "", ""
-        return (f"{ptr} + (rows[:, None] // sub_n * HV + i_hv) * V + o_v[None, :]",
-                " & (rows[:, None] % sub_n == sub_n - 1)")
+        return (f"{ptr} + ({self._sub_token('rows[:, None]')} * HV + i_hv) * V + o_v[None, :]",
+                f" & ({self._sub_step('rows[:, None]')} == sub_n - 1)")
 
     def sub_grad_mask(self, name: str, rows: str) -> str:
         """The mask's factor of sub_grad's store: the query's gradient at the last sub-token alone."""
-        return f" & ({rows} % sub_n == sub_n - 1)" if self.sub_tokens and name == self.sub_query else ""
+        return f" & ({self._sub_step(rows)} == sub_n - 1)" if self.sub_tokens and name == self.sub_query else ""
+
+    # Row r's token and step: r // sub_n and r % sub_n, sub_n being 1 or n. The divisor is written as
+    # the constant n, since a division by a runtime integer compiles to a long integer routine: eight
+    # of them a chunk in the state pass's loop (sm_90a PTX: div.s64, rem.s64; docs/kernels.md)
+    def _sub_token(self, rows: str) -> str:
+        return f"tl.where(sub_n == 1, {rows}, ({rows}) // {self.sub_tokens})"
+
+    def _sub_step(self, rows: str) -> str:
+        return f"(({rows}) - {self._sub_token(rows)} * sub_n)"
 
     @property
     def kernel_lets(self) -> tuple:
