@@ -17,6 +17,7 @@ from lrdsl.codegen.raw import bounds as _bounds
 from lrdsl.codegen.readouts import fused
 from lrdsl.codegen.split import not_staged as _not_staged
 from lrdsl.codegen.split import split_ir
+from lrdsl.codegen.sub_tokens import SubTokenRows
 from lrdsl.codegen.texpr import code, var
 from lrdsl.frontend import ir, printer
 from lrdsl.frontend.symbolic import simplified
@@ -185,7 +186,7 @@ def _tuning(name: str) -> property:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(SubTokenRows):
     """Everything the templates read: the spec's holes (Triton text), the operands the staged
     kernels take as loaded, the route and the tuning."""
     # the spec's holes
@@ -394,60 +395,6 @@ class Plan:
         every stored let."""
         return ", ".join([f"in_{l.name}" for l in self.loads] + ([self.sub_args] if self.sub_tokens else [])
                          + [a.ptr for a in self.aux] + [s[2] for s in self.stored_lets])
-
-    @property
-    def sub_args(self) -> str:
-        """The sub-token arguments (plan.sub_tokens): sub_n, then each step input's offsets; "" without."""
-        return ", ".join(["sub_n"] + [f"off_{x}_{j}" for x in self.sub_steps for j in range(1, self.sub_tokens)]
-                         + [f"step_{x}" for x in self.sub_steps]
-                         + [f"rs_{x}" for x in (self.sub_query, *self.sub_steps)] if self.sub_tokens else [])
-
-    def sub_row(self, name: str, ptr: str, rows: str, heads: str, head: str, width: str) -> str:
-        """The address of row `rows` ([heads, width] rows) of input `name` at `ptr` where the plan
-        reads it by sub-token (plan.sub_tokens), else "" (the caller's row-major text stands). Its
-        tokens are rs_<name> elements apart (heads x width where contiguous; more for slices of one
-        [B, T, n, heads, width] tensor), its heads width apart."""
-        if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
-            return ""
-        at = f"{ptr} + {self._sub_token(rows)} * rs_{name} + {head} * {width}"
-        if name == self.sub_query:
-            return at
-        off = "0"
-        for j in range(self.sub_tokens - 1, 0, -1):
-            off = f"tl.where({self._sub_step(rows)} == {j}, off_{name}_{j}, {off})"
-        return f"{at} + {off}"
-
-    def sub_grad(self, name: str, ptr: str, rows: str, width: str, tail: str) -> str:
-        """Where the gradient of row `rows` of input `name` goes (its [HV, width] rows at `ptr`, plus
-        `tail`) where the plan reads that input by sub-token, else "": a step input's in the step's
-        slice of one [n, ...] tensor (step_<name> elements apart), the query's at its token (the last
-        sub-token's alone: sub_grad_mask; the others have none, their outputs being unread)."""
-        if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
-            return ""
-        at = f"{ptr} + ({self._sub_token(rows)} * HV + i_hv) * {width}"
-        return f"{at} + {tail}" if name == self.sub_query else f"{at} + {self._sub_step(rows)} * step_{name} + {tail}"
-
-    def sub_out(self, ptr: str) -> tuple:
-        """(address, mask factor) of o's or dO's row `rows` (value tile o_v) at `ptr` with
-        plan.sub_tokens: row r // n, the last sub-token of each token alone (the readout of a token
-        is its last sub-token's), else ("", "")."""
-        if not self.sub_tokens:
-            return "", ""
-        return (f"{ptr} + ({self._sub_token('rows[:, None]')} * HV + i_hv) * V + o_v[None, :]",
-                f" & ({self._sub_step('rows[:, None]')} == sub_n - 1)")
-
-    def sub_grad_mask(self, name: str, rows: str) -> str:
-        """The mask's factor of sub_grad's store: the query's gradient at the last sub-token alone."""
-        return f" & ({self._sub_step(rows)} == sub_n - 1)" if self.sub_tokens and name == self.sub_query else ""
-
-    # Row r's token and step: r // sub_n and r % sub_n, sub_n being 1 or n. The divisor is written as
-    # the constant n, since a division by a runtime integer compiles to a long integer routine: eight
-    # of them a chunk in the state pass's loop (sm_90a PTX: div.s64, rem.s64; docs/kernels.md)
-    def _sub_token(self, rows: str) -> str:
-        return f"tl.where(sub_n == 1, {rows}, ({rows}) // {self.sub_tokens})"
-
-    def _sub_step(self, rows: str) -> str:
-        return f"(({rows}) - {self._sub_token(rows)} * sub_n)"
 
     @property
     def kernel_lets(self) -> tuple:
