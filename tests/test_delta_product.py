@@ -327,6 +327,23 @@ def _loss_backward(mixer, x, opts):
     ((o * o).sum() + s.sum()).backward()
 
 
+@pytest.mark.parametrize("name", ["delta_product2", "delta_product3"])
+def test_sub_token_rows_divide_by_no_runtime_integer(name):
+    """The sub-mixer's generated kernels find a row's token and step with the constant n, never by
+    dividing by the runtime argument sub_n (1 or n): on a GPU that compiled to integer division
+    routines in every chunk of the state pass's loop (docs/kernels.md). The text has sub_n's rows
+    (the in-place reads are generated) and no `// sub_n` or `% sub_n`."""
+    import re
+
+    from lrdsl.codegen.plan import plan
+    from lrdsl.codegen.render import render
+    sub = lrdsl.compile(EXAMPLES / f"{name}.lr", load_kernels=False).product
+    p = plan(sub.ir)
+    source = render(p, "test")
+    assert p.sub_tokens == int(name[-1]) and "sub_n == 1" in source
+    assert not re.search(r"(//|%)\s*sub_n\b", source)
+
+
 def test_direct_chunk_makes_no_interleaved_copy(mixers, monkeypatch):
     """chunk's forward and backward of delta_product3 copy no q, k or v into a sequence of n T
     sub-tokens: the kernels read step j of token t from the spec's own tensors, in place also where
