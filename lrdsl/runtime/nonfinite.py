@@ -198,10 +198,11 @@ def _finite_copy_kernel(x_ptr, y_ptr, flags_ptr, slot, n, fill, POS: tl.constexp
 
 
 @triton.jit
-def _nan_at_bad_kernel(g_ptr, x_ptr, flag_ptr, n, POS: tl.constexpr, NEG: tl.constexpr, BLOCK: tl.constexpr):
-    # in place: g = nan where x is bad (nan; +inf with POS; -inf with NEG); nothing read or written
-    # where x's flag says it has no non-finite entry. A bounded grid strides over x (_flag_grid): a
-    # clean input, the common case, costs one load of the flag per program
+def _fill_bad_kernel(g_ptr, x_ptr, flag_ptr, n, value, POS: tl.constexpr, NEG: tl.constexpr, BLOCK: tl.constexpr):
+    # in place: g = value where x is bad (nan; +inf with POS; -inf with NEG); nothing read or written
+    # where the flag says there is no non-finite entry. A bounded grid strides over x (_flag_grid): a
+    # clean input, the common case, costs one load of the flag per program. The gradients' nan at a
+    # bad input (device_nan_at) and the kept intermediates' zeros (zero_nonfinite_, g_ptr = x_ptr)
     if tl.load(flag_ptr) != 0:
         step = tl.num_programs(0).to(tl.int64) * BLOCK
         for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
@@ -213,22 +214,7 @@ def _nan_at_bad_kernel(g_ptr, x_ptr, flag_ptr, n, POS: tl.constexpr, NEG: tl.con
                 bad = bad | (x == float("inf"))
             if NEG:
                 bad = bad | (x == float("-inf"))
-            tl.store(g_ptr + offs, tl.full([BLOCK], float("nan"), tl.float32).to(g_ptr.dtype.element_ty),
-                     mask=m & bad)
-
-
-@triton.jit
-def _zero_nonfinite_kernel(x_ptr, flag_ptr, n, BLOCK: tl.constexpr):
-    # in place: x = 0 where it is not finite, where the flag says some input has a non-finite entry
-    # (a bounded grid striding over x, as _nan_at_bad_kernel)
-    if tl.load(flag_ptr) != 0:
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < n
-            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            bad = (x != x) | (x == float("inf")) | (x == float("-inf"))
-            tl.store(x_ptr + offs, tl.zeros([BLOCK], tl.float32).to(x_ptr.dtype.element_ty), mask=m & bad)
+            tl.store(g_ptr + offs, (tl.zeros([BLOCK], tl.float32) + value).to(g_ptr.dtype.element_ty), mask=m & bad)
 
 
 def _launch_blocks(n: int) -> tuple:
@@ -260,7 +246,7 @@ def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
         if g.shape != t.shape or not g.is_contiguous() or not g.numel():
             out.append(g.masked_fill(_bad(spec[n], t, n in rs), math.nan))
             continue
-        _nan_at_bad_kernel[_flag_grid(g.numel())](g, t.contiguous(), f, g.numel(), POS=pos, NEG=neg, BLOCK=BLOCK)
+        _fill_bad_kernel[_flag_grid(g.numel())](g, t.contiguous(), f, g.numel(), math.nan, POS=pos, NEG=neg, BLOCK=BLOCK)
         out.append(g)
     return out
 
@@ -269,7 +255,7 @@ def zero_nonfinite_(x, flag):
     """x (a contiguous tensor this backward owns, or None) with its non-finite entries zeroed in place
     where flag (0-dim int32) is set; returned."""
     if x is not None and x.numel():
-        _zero_nonfinite_kernel[_flag_grid(x.numel())](x, flag, x.numel(), BLOCK=BLOCK)
+        _fill_bad_kernel[_flag_grid(x.numel())](x, x, flag, x.numel(), 0.0, POS=True, NEG=True, BLOCK=BLOCK)
     return x
 
 
