@@ -9,7 +9,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from lrdsl.codegen import product
+from lrdsl.codegen import chain_order, product
 from lrdsl.codegen import raw as operands
 from lrdsl.codegen.chain import Chain, chain
 from lrdsl.codegen.raw import Raw
@@ -368,6 +368,12 @@ class Plan(SubTokenRows):
         if any(re.search(rf"\b{l.var}\b", t) for t in texts):  # _chain_tokens would still load it
             return None
         return l
+
+    @property
+    def chain_steps(self) -> tuple:
+        """_chain_tokens' statements (plan.chain_in_dk), in the order that keeps the fewest tiles
+        live (codegen/chain_order.py)."""
+        return chain_order.order(chain_order.statements(self, self.chain_at_dr)) if self.chain_in_dk else ()
 
     @property
     def value_tile(self) -> str:
