@@ -633,6 +633,20 @@ def test_chain_tokens_loads_a_tile_after_the_stores_that_do_not_need_it():
     assert store_k < _first(lines, r"^b_dc = tl\.load")
 
 
+def test_chain_order_puts_an_unread_statement_after_what_it_reads():
+    """chain_order.order: a statement no gradient reads (here the log-decay's floor) stays at the top,
+    and so does the load it reads, though a gradient reads that load too and would pull it later."""
+    from lrdsl.codegen.chain_order import Stmt, order
+    from lrdsl.codegen.plan import Load
+    a = Stmt("input_load", Load("a", "b_a", "scalar", False, False), ("b_a",))
+    k = Stmt("input_load", Load("k", "b_k", "K", False, False), ("b_k",), tile=True)
+    floor = Stmt("floor", None, ("b_dgl",), frozenset({"b_a"}))
+    grad = Stmt("key_grad", k.arg, (), frozenset({"b_du", "b_k", "b_a"}), consumer=True)
+    out = order((a, k, floor, grad))
+    assert sorted(map(id, out)) == sorted(map(id, (a, k, floor, grad)))
+    assert out.index(a) < out.index(floor) and out.index(k) < out.index(grad)
+
+
 @pytest.mark.parametrize("spec", ["comba", "gated_deltanet", "gated_deltanet_gates", "delta_product3", "deltanet",
                                   "FUSED", "GATED_QUERY"])
 def test_chain_tokens_loads_each_tile_right_before_its_first_reader(spec):

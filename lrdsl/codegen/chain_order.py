@@ -69,7 +69,7 @@ def order(stmts: tuple) -> tuple:
     """stmts (statements()'s) in the order that keeps the fewest tiles live (the module's doc)."""
     maker = {d: s for s in stmts for d in s.defines}  # b_du and b_dgl come in as arguments
     tiles = {s.defines[0] for s in stmts if s.tile} | {"b_du"}
-    done, out = set(), []
+    done = set()
 
     def needs(s, acc):  # the producers s waits for, not yet emitted (in stmts' order)
         for n in s.reads:
@@ -94,11 +94,16 @@ def order(stmts: tuple) -> tuple:
         return peak, len(live(after)), s.macro != "key_grad" or s.arg.kind != "scalar", i
 
     consumers = [s for s in stmts if s.consumer]
+    # producers no consumer reads (dead: the compiler drops them) stay at the top, as before, with
+    # what they read
+    needed = set().union(*(needs(c, set()) for c in consumers))
+    top = set().union(*(needs(p, {p}) for p in stmts if not p.consumer and p not in needed))
+    out = [p for p in stmts if p in top]
+    done |= top
     while consumers:
         i, s = min(((i, s) for i, s in enumerate(consumers) if ready(s)), key=lambda c: cost(*c))
         new = needs(s, set())
         out += [p for p in stmts if p in new] + [s]
         done |= new | {s}
         consumers.remove(s)
-    # producers no statement reads (dead, as before: the compiler drops them) stay at the top
-    return tuple(p for p in stmts if p not in done) + tuple(out)
+    return tuple(out)
