@@ -376,6 +376,13 @@ class Plan(SubTokenRows):
         return chain_order.order(chain_order.statements(self, self.chain_at_dr)) if self.chain_in_dk else ()
 
     @property
+    def chain_start(self) -> tuple:
+        """_chain_tokens' lines that move the pointers of its inputs read by sub-token to row0's
+        token (SubTokenRows.sub_chunk_start), after its masks (made before them, delta_product2's
+        staged_dk spilled as much as without the move: ptxas, 2026-12-06); () without."""
+        return self.sub_chunk_start((l.name, "K") for l in self.loads if l.kind == "K" and l != self.chain_at_dr)
+
+    @property
     def value_tile(self) -> str:
         """The helper that makes the backward's write-value tiles (their only use there: a product's
         operand): _raw_v where the value is an input's tile as stored (plan.raw_value without a
