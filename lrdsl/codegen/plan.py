@@ -383,6 +383,11 @@ class Plan(SubTokenRows):
         return self.sub_chunk_start((l.name, "K") for l in self.loads if l.kind == "K" and l != self.chain_at_dr)
 
     @property
+    def chain_at_start(self) -> tuple:
+        """_chain_at_dr's lines likewise, for plan.chain_at_dr's input."""
+        return self.sub_chunk_start([(self.chain_at_dr.name, "K")]) if self.chain_at_dr else ()
+
+    @property
     def value_tile(self) -> str:
         """The helper that makes the backward's write-value tiles (their only use there: a product's
         operand): _raw_v where the value is an input's tile as stored (plan.raw_value without a
