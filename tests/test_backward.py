@@ -607,6 +607,66 @@ def test_chain_at_dr_only_where_q_alone_reads_r():
     assert gated.chain_in_dk and gated.chain_at_dr is None
 
 
+def _chain_tokens_lines(ir) -> list:
+    """The lines of the generated _chain_tokens (staged_dk's chain-rule epilogue) after its setup."""
+    from lrdsl.codegen.generate import generate
+    text = generate(ir)
+    body = text[text.index("def _chain_tokens("):]
+    body = body[:body.index("\n\n\n")]
+    return [ln.strip() for ln in body[body.index("p_tk = "):].splitlines() if ln.strip()]
+
+
+def _first(lines, pattern) -> int:
+    import re
+    return next(i for i, ln in enumerate(lines) if re.search(pattern, ln))
+
+
+def test_chain_tokens_loads_a_tile_after_the_stores_that_do_not_need_it():
+    """comba's _chain_tokens (codegen/chain_order.py): k's tile is loaded and dies first (s_beta,
+    the other reader of b_du and b_k, comes before k's gradient), and p's tile and c's gradient are
+    loaded only after k's gradient is stored, so never live with k's, b_du and g_x (ptxas spilled
+    488/556 with every tile loaded at the top; docs/kernels.md)."""
+    lines = _chain_tokens_lines(rendered_ir(ROOT / "examples" / "comba.lr"))
+    store_k = _first(lines, r"^tl\.store\(d_k_ptr")
+    assert _first(lines, r"^b_k = tl\.load") < _first(lines, r"^s_beta = .*\bb_du\b") < store_k
+    assert store_k < _first(lines, r"^b_p = tl\.load")
+    assert store_k < _first(lines, r"^b_dc = tl\.load")
+
+
+def test_chain_order_puts_an_unread_statement_after_what_it_reads():
+    """chain_order.order: a statement no gradient reads (here the log-decay's floor) stays at the top,
+    and so does the load it reads, though a gradient reads that load too and would pull it later."""
+    from lrdsl.codegen.chain_order import Stmt, order
+    from lrdsl.codegen.plan import Load
+    a = Stmt("input_load", Load("a", "b_a", "scalar", False, False), ("b_a",))
+    k = Stmt("input_load", Load("k", "b_k", "K", False, False), ("b_k",), tile=True)
+    floor = Stmt("floor", None, ("b_dgl",), frozenset({"b_a"}))
+    grad = Stmt("key_grad", k.arg, (), frozenset({"b_du", "b_k", "b_a"}), consumer=True)
+    out = order((a, k, floor, grad))
+    assert sorted(map(id, out)) == sorted(map(id, (a, k, floor, grad)))
+    assert out.index(a) < out.index(floor) and out.index(k) < out.index(grad)
+
+
+@pytest.mark.parametrize("spec", ["comba", "gated_deltanet", "gated_deltanet_gates", "delta_product3", "deltanet",
+                                  "FUSED", "GATED_QUERY"])
+def test_chain_tokens_loads_each_tile_right_before_its_first_reader(spec):
+    """Every [BT, BK] tile _chain_tokens loads (c's and r's gradients, each key-channel input) is
+    loaded after the last store before its first reader: a load cannot move below a store to
+    another pointer, so one loaded earlier stays live through that store's gradient."""
+    import re
+    text = {"FUSED": FUSED, "GATED_QUERY": GATED_QUERY}.get(spec)
+    ir = lrdsl.compile(text=text, load_kernels=False).ir if text else rendered_ir(ROOT / "examples" / f"{spec}.lr")
+    lines = _chain_tokens_lines(ir)
+    tiles = [m.group(1) for ln in lines for m in [re.match(r"(b_\w+) = tl\.load\(.*(p_tk|o_k\[None, :\])", ln)] if m]
+    assert "b_k" in tiles, tiles
+    for tile in tiles:
+        load = _first(lines, rf"^{tile} = tl\.load")
+        # its first reader: a line that reads it, not its own normalisation or clamp
+        use = next(i for i, ln in enumerate(lines) if i > load and re.search(rf"\b{tile}\b", ln)
+                   and not re.match(rf"(n_{tile[2:]}|{tile}) = ", ln))
+        assert not any("tl.store(" in ln for ln in lines[load:use]), (spec, tile, lines[load:use + 1])
+
+
 @pytest.mark.parametrize("case_id", default_first(list(CASES), DEFAULT_CASE))
 def test_chain_rule_in_staged_dk_matches_reference(case_id, compiled):
     """FUSED's gradients from staged_dk's epilogue (no chain kernel) against the float64

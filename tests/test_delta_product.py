@@ -554,3 +554,21 @@ def test_a_first_step_without_erase():
     assert mixer.ir.delta is None and mixer.ir.n_steps == 2
     out = check_case(mixer, CASES["batch-h0"], DEVICE, grad=True)
     assert out.ok, out.message
+
+
+@pytest.mark.parametrize("name", ["delta_product2", "delta_product3"])
+def test_chain_rule_reads_sub_token_rows_from_the_chunks_token(name):
+    """The sub-mixer's chain rule in staged_dk's epilogue (_chain_tokens: k) and where r's gradient
+    is made (_chain_at_dr: q) reads its input and stores the gradient at rows step0 + rows from
+    row0's token (plan.chain_start, chain_at_start), never at row0 + rows: that 64-bit row, the same
+    as the calling kernel's own reads', was kept live into the epilogue, and ptxas spilled 200/212
+    in delta_product2's staged_dk (docs/kernels.md). The text has the moves and the reads."""
+    from lrdsl.codegen.plan import plan
+    from lrdsl.codegen.render import render
+    sub = lrdsl.compile(EXAMPLES / f"{name}.lr", load_kernels=False).product
+    source = render(plan(sub.ir), "test")
+    for fn, x in (("_chain_tokens", "k"), ("_chain_at_dr", "q")):
+        body = source[source.index(f"def {fn}("):]
+        body = body[:body.index("\n\n\n")]
+        assert f"in_{x} += tok0 * rs_{x}" in body and f"d_{x}_ptr += tok0 * HV * K" in body, fn
+        assert "(step0 + rows[:, None])" in body and "row0 + rows" not in body, fn

@@ -9,7 +9,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from lrdsl.codegen import product
+from lrdsl.codegen import chain_order, product
 from lrdsl.codegen import raw as operands
 from lrdsl.codegen.chain import Chain, chain
 from lrdsl.codegen.raw import Raw
@@ -368,6 +368,24 @@ class Plan(SubTokenRows):
         if any(re.search(rf"\b{l.var}\b", t) for t in texts):  # _chain_tokens would still load it
             return None
         return l
+
+    @property
+    def chain_steps(self) -> tuple:
+        """_chain_tokens' statements (plan.chain_in_dk), in the order that keeps the fewest tiles
+        live (codegen/chain_order.py)."""
+        return chain_order.order(chain_order.statements(self, self.chain_at_dr)) if self.chain_in_dk else ()
+
+    @property
+    def chain_start(self) -> tuple:
+        """_chain_tokens' lines that move the pointers of its inputs read by sub-token to row0's
+        token (SubTokenRows.sub_chunk_start), after its masks (made before them, delta_product2's
+        staged_dk spilled as much as without the move: ptxas, 2026-12-06); () without."""
+        return self.sub_chunk_start((l.name, "K") for l in self.loads if l.kind == "K" and l != self.chain_at_dr)
+
+    @property
+    def chain_at_start(self) -> tuple:
+        """_chain_at_dr's lines likewise, for plan.chain_at_dr's input."""
+        return self.sub_chunk_start([(self.chain_at_dr.name, "K")]) if self.chain_at_dr else ()
 
     @property
     def value_tile(self) -> str:

@@ -43,6 +43,22 @@ class SubTokenRows:
         at = f"{ptr} + ({self._sub_token(rows)} * HV + i_hv) * {width}"
         return f"{at} + {tail}" if name == self.sub_query else f"{at} + {self._sub_step(rows)} * step_{name} + {tail}"
 
+    def sub_chunk_start(self, inputs) -> tuple:
+        """Lines that move the pointers of those of `inputs` ((name, row width) each) read by
+        sub-token to the token of row row0 (tok0), and make step0, row0's step in it: a chunk's rows
+        are then rows step0 + rows from there (sub_row's and sub_grad's `rows`), 32-bit and unlike
+        staged_dk's own row0 + rows, which the compiler shared with its loads and kept live into
+        _chain_tokens (ptxas: delta_product2's staged_dk spilled 200/212; docs/kernels.md).
+        () without sub-token reads."""
+        inputs = [(x, w) for x, w in inputs if x in self.sub_steps or x == self.sub_query] if self.sub_tokens else []
+        if not inputs:
+            return ()
+        lines = [f"tok0 = {self._sub_token('row0')}",
+                 "step0 = (row0 - tok0 * sub_n).to(tl.int32)"]
+        for x, width in inputs:
+            lines += [f"in_{x} += tok0 * rs_{x}", f"d_{x}_ptr += tok0 * HV * {width}"]
+        return tuple(lines)
+
     def sub_out(self, ptr: str) -> tuple:
         """(address, mask factor) of o's or dO's row `rows` (value tile o_v) at `ptr` with
         plan.sub_tokens: row r // n, the last sub-token of each token alone (the readout of a token
