@@ -4,11 +4,13 @@ the spec's chunk call (and backward) on CPU tensors with every launch intercepte
 compiled (not run) for the config LRDSL_AUTOTUNE=0 picks.
 
 usage: python benchmarks/kernel_registers.py SPEC [--backward] [--only NAME] [--dump DIR] [--shape B,T,H,K,V]
-                                               [--dtype bf16|fp32]
+                                               [--dtype bf16|fp32] [--config I]
 Run from a checkout's root (that checkout's lrdsl is imported). The inputs are bf16 as in `lrdsl
 bench` (--dtype fp32: fp32 inputs, so fp32 intermediates); on the CPU lrdsl runs its kernels on fp32
 copies of bf16 inputs (the interpreter's bf16 dots are wrong), which this script turns off: no kernel
-runs here."""
+runs here. --config I (with --only): that kernel's I-th config of its tuning space instead of its
+first (the GPU's autotuner may pick any; an I past the space's end says how many there are), or
+one written out as probe_config.py takes it, e.g. --config BV=64,w=8,s=2 (maxnreg=N too)."""
 import argparse
 import os
 import re
@@ -29,6 +31,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("spec"); ap.add_argument("--backward", action="store_true")
 ap.add_argument("--only"); ap.add_argument("--dump"); ap.add_argument("--shape", default="1,256,2,128,128")
 ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+ap.add_argument("--config", default="0")
 a = ap.parse_args()
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 128)
@@ -126,6 +129,22 @@ from lrdsl.bench import draw, parse_shape  # noqa: E402
 
 lrdsl.api._bf16_on_cpu = lambda *tensors: False  # the launches as the GPU makes them: bf16 stays bf16
 m = lrdsl.compile(a.spec)
+if a.config != "0":
+    tuners = [(n, getattr(m.kernels, n)) for n in m.kernels.TUNING_SPACE]
+    tuners = [(n, t) for n, t in tuners if a.only and t.fn.__name__ == a.only]
+    if not tuners:
+        sys.exit(f"--config needs --only naming an autotuned kernel of {a.spec}")
+    for n, t in tuners:
+        space = m.kernels.TUNING_SPACE[n]
+        if a.config.isdigit():
+            if int(a.config) >= len(space):
+                sys.exit(f"{n}'s tuning space has {len(space)} configs: --config 0 .. {len(space) - 1}")
+            t.configs = [space[int(a.config)]]
+        else:
+            kw = {k: int(v) for k, v in (p.split("=") for p in a.config.split(","))}
+            warps, stages, cap = kw.pop("w", 4), kw.pop("s", 1), kw.pop("maxnreg", None)
+            t.configs = [triton.Config(kw, num_warps=warps, num_stages=stages, maxnreg=cap)]
+        t.cache.clear()
 x = draw(m, parse_shape(a.shape), torch.bfloat16 if a.dtype == "bf16" else torch.float32, "cpu")
 if a.backward:
     for t in x.values():

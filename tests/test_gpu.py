@@ -489,6 +489,42 @@ def test_nonfinite_backward_gpu(name, monkeypatch):
         assert e < 2e-2, (n, e)
 
 
+# tests/test_nonfinite_backward.py's spec whose gain b exp(a) overflows fp32 at one token (a = 100,
+# finite inputs): its chunk is flagged dirty, and staged_dr's dirty branch (which makes u again
+# from the inputs, 2026-12-06) keeps q's gradient before that token exact
+OVERFLOWING_GAIN = ("mixer gain_exp\ninput q[K] l2norm, k[K] l2norm, v[V], g log, b in [0, 1], a\nallow unstable\n"
+                    "S = exp(g) (I - (b * exp(a)) k k^T) S + (b * exp(a)) k v^T\no = S^T q\n")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_overflowing_gain_dirty_chunk_of_staged_dr_gpu():
+    """bf16 inputs, a = 0 but at token 421 of sequence 0 (inside a chunk), where it is 100: q's
+    gradient at the tokens before it, the loss masked to them, against the float64 reference."""
+    from lrdsl.codegen.plan import plan
+    mixer = lrdsl.compile(text=OVERFLOWING_GAIN, check_ranges=False)
+    assert plan(mixer.ir).split_dr and hasattr(mixer.kernels, "staged_dr_kernel")
+    B, T, H, K, V, row = 1, 1000, 2, 128, 128, 421
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    x["a"].zero_()  # b exp(a) = b in [0, 1]: a stable erase elsewhere
+    x["a"][0, row] = 100.0
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=torch.float64)
+    do[:, row:] = 0
+
+    def dq(fn, dtype):
+        q = x["q"].detach().to(dtype).clone().requires_grad_()
+        o, _ = fn(**{n: t.to(dtype) for n, t in x.items() if n != "q"}, q=q)
+        (torch.nan_to_num(o.double(), nan=0.0, posinf=0.0, neginf=0.0) * do).sum().backward()
+        return q.grad[0, :row]
+
+    ref, got = dq(mixer.reference, torch.float64), dq(mixer.chunk, torch.bfloat16)
+    assert torch.isfinite(ref).all()
+    assert torch.isfinite(got).all(), "dq not finite before the overflowing token"
+    err = rms_ratio(got, ref)
+    RESULTS.append((mixer.name, "overflowing gain dq", err, 0.0))
+    assert err < 2e-2, err
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 def test_bench_gpu_time_counts_the_calls_kernels():
     """`lrdsl bench`'s GPU time sums the kernels a call launches: none for a host-only call, some for

@@ -125,6 +125,27 @@ def test_overflowing_key_leaves_earlier_dq_of_the_general_backward(decay, semant
     check_earlier_dq(mixer, x, opts, case, 37, f"an overflowing key, a {decay} decay")
 
 
+# The staged backward's like test, where stage 3 splits (plan.split_dr): the gain exp(a) b
+# overflows fp32 at token 37 (a = 100, finite inputs), so u there is infinite and its chunk is
+# flagged dirty; staged_dr's dirty branch (_causal_dot) keeps r's gradient exact before it (a plain
+# product gives 0 * inf = nan there)
+OVERFLOWING_GAIN = ("mixer gain_exp\ninput q[K] l2norm, k[K] l2norm, v[V], g log, b in [0, 1], a\nallow unstable\n"
+                    "S = exp(g) (I - (b * exp(a)) k k^T) S + (b * exp(a)) k v^T\no = S^T q\n")
+
+
+@pytest.mark.parametrize("semantics", ["gpu"], indirect=True)
+def test_overflowing_gain_leaves_earlier_dq_of_the_split_staged_backward(semantics, compiled):
+    from test_nonfinite import check_earlier_dq
+
+    from lrdsl.codegen.plan import plan
+    mixer = compiled(None, text=OVERFLOWING_GAIN, check_ranges=False)
+    assert plan(mixer.ir).split_dr and hasattr(mixer.kernels, "staged_dr_kernel")
+    case = Case(B=1, T=100, H=1, HV=1, K=16, V=16, seed=4)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    x = spoil(x, "a", 100.0, True, 37)
+    check_earlier_dq(mixer, x, opts, case, 37, "an overflowing gain, the split staged backward")
+
+
 def test_a_clean_batch_takes_the_backward_as_given(monkeypatch):
     """The host-checked guard (MODE "host"): no non-finite entry, so the backward runs on the call's
     own tensors and the forward's kept intermediates (no copies), one check of the inputs."""
