@@ -130,12 +130,14 @@ from lrdsl.bench import draw, parse_shape  # noqa: E402
 lrdsl.api._bf16_on_cpu = lambda *tensors: False  # the launches as the GPU makes them: bf16 stays bf16
 m = lrdsl.compile(a.spec)
 if a.config != "0":
-    tuners = [(n, getattr(m.kernels, n)) for n in m.kernels.TUNING_SPACE]
-    tuners = [(n, t) for n, t in tuners if a.only and t.fn.__name__ == a.only]
+    # the spec's own module, or those it runs on (a split spec's, rwkv7's say, or a product's sub-mixer's)
+    mods = [k.kernels for k in (m, m.split) if k is not None]
+    tuners = [(mod, n, getattr(mod, n)) for mod in mods for n in getattr(mod, "TUNING_SPACE", {})]
+    tuners = [(mod, n, t) for mod, n, t in tuners if a.only and t.fn.__name__ == a.only]
     if not tuners:
         sys.exit(f"--config needs --only naming an autotuned kernel of {a.spec}")
-    for n, t in tuners:
-        space = m.kernels.TUNING_SPACE[n]
+    for mod, n, t in tuners:
+        space = mod.TUNING_SPACE[n]
         if a.config.isdigit():
             if int(a.config) >= len(space):
                 sys.exit(f"{n}'s tuning space has {len(space)} configs: --config 0 .. {len(space) - 1}")
