@@ -143,9 +143,8 @@ if a.config != "0":
                 sys.exit(f"{n}'s tuning space has {len(space)} configs: --config 0 .. {len(space) - 1}")
             t.configs = [space[int(a.config)]]
         else:
-            kw = {k: int(v) for k, v in (p.split("=") for p in a.config.split(","))}
-            warps, stages, cap = kw.pop("w", 4), kw.pop("s", 1), kw.pop("maxnreg", None)
-            t.configs = [triton.Config(kw, num_warps=warps, num_stages=stages, maxnreg=cap)]
+            from probe_config import parse_config
+            t.configs = [parse_config(a.config)]
         t.cache.clear()
 x = draw(m, parse_shape(a.shape), torch.bfloat16 if a.dtype == "bf16" else torch.float32, "cpu")
 if a.backward:

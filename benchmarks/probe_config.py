@@ -19,9 +19,12 @@ from lrdsl.bench import Shape, draw, parse_shape
 
 
 def parse_config(text: str) -> triton.Config:
+    """A config written out: block sizes, w (warps, default 4), s (stages, default 1) and an optional
+    maxnreg, e.g. BV=64,w=8,s=2 (benchmarks/kernel_registers.py --config takes it too)."""
     kw = dict(p.split("=") for p in text.split(","))
     warps, stages = int(kw.pop("w", 4)), int(kw.pop("s", 1))
-    return triton.Config({k: int(v) for k, v in kw.items()}, num_warps=warps, num_stages=stages)
+    cap = int(kw.pop("maxnreg")) if "maxnreg" in kw else None
+    return triton.Config({k: int(v) for k, v in kw.items()}, num_warps=warps, num_stages=stages, maxnreg=cap)
 
 
 def main(argv):
