@@ -489,17 +489,15 @@ def test_nonfinite_backward_gpu(name, monkeypatch):
         assert e < 2e-2, (n, e)
 
 
-# tests/test_nonfinite_backward.py's spec whose gain b exp(a) overflows fp32 at one token (a = 100,
-# finite inputs): its chunk is flagged dirty, and staged_dr's dirty branch (which makes u again
-# from the inputs, 2026-12-06) keeps q's gradient before that token exact
-OVERFLOWING_GAIN = ("mixer gain_exp\ninput q[K] l2norm, k[K] l2norm, v[V], g log, b in [0, 1], a\nallow unstable\n"
-                    "S = exp(g) (I - (b * exp(a)) k k^T) S + (b * exp(a)) k v^T\no = S^T q\n")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 def test_overflowing_gain_dirty_chunk_of_staged_dr_gpu():
-    """bf16 inputs, a = 0 but at token 421 of sequence 0 (inside a chunk), where it is 100: q's
-    gradient at the tokens before it, the loss masked to them, against the float64 reference."""
+    """tests/test_nonfinite_backward.py's spec whose gain b exp(a) overflows fp32 at one token: its
+    chunk is flagged dirty, and staged_dr's dirty branch (which makes u again from the inputs,
+    2026-12-06) keeps q's gradient before that token exact. bf16 inputs, a = 0 but at token 421 of
+    sequence 0 (inside a chunk), where it is 100: q's gradient at the tokens before it, the loss
+    masked to them, against the float64 reference."""
+    from test_nonfinite_backward import OVERFLOWING_GAIN
+
     from lrdsl.codegen.plan import plan
     mixer = lrdsl.compile(text=OVERFLOWING_GAIN, check_ranges=False)
     assert plan(mixer.ir).split_dr and hasattr(mixer.kernels, "staged_dr_kernel")
