@@ -62,8 +62,23 @@ def split_ir(m: ir.Mixer) -> ir.Mixer | None:
         kind = "diagonal" if decay.kind == "diagonal" else "scalar"
         decay = ir.Decay(kind, sp.exp(gate(decays, m.log_decay())))
     out = dataclasses.replace(m, name=m.name + "_split", inputs=(*m.inputs, phase), decay=decay,
-                              delta=ir.Delta(key, (1 - p) * c, order), write=ir.Write(key, p * m.write.value))
+                              delta=ir.Delta(key, (1 - p) * c, order), write=ir.Write(key, p * m.write.value),
+                              split_phase=phase.name)
     return None if not_staged(out) else out
+
+
+def with_sub_tokens(m: ir.Mixer, p):
+    """Plan p of a split mixer with its two sub-tokens read in place (plan.sub_tokens = 2): every
+    input but the phase at token r // 2 of its own [B, T, ...] tensor (plan.sub_reads), the phase as
+    the one step input (plan.sub_steps), from a constant [2, H] tensor with token stride 0, and o
+    stored at phase 1's rows alone (plan.sub_out). Only where the staged forward reads the inputs
+    through _staged_k, _staged_v and the raw query's holes alone: plans with raw keys, values or
+    WY tiles, or a decay prefix launch, keep the interleaved tensors (none of the examples has
+    them). The kernels' sub_n = 1 reads interleaved tensors as before (the runtime's other routes)."""
+    if not m.split_phase or not p.staged or p.raw or p.raw_key or p.raw_value or p.raw_wy or p.decay_prefix:
+        return p
+    reads = tuple(l.name for l in p.loads if l.name != m.split_phase and not l.per_head)
+    return dataclasses.replace(p, sub_tokens=2, sub_steps=(m.split_phase,), sub_reads=reads)
 
 
 def _free_name(m: ir.Mixer, base: str) -> str:
