@@ -1,0 +1,97 @@
+"""The split's in-place route (lrdsl/runtime/split.py, added 2026-12-07): its staged kernels read both
+sub-tokens of each token from the spec's own [B, T, ...] tensors (plan.sub_reads), the phase from a
+constant [2, H] tensor, store o and read dO at phase 1's rows alone. Checked against the float64
+reference forward and backward with no interleaved copy made (split.interleave refuses), at odd
+lengths, packed, from an initial state, and with strong and infinite log-decays."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backward import compare, describe
+from test_recurrent import EXAMPLES
+
+import lrdsl
+from lrdsl.codegen import split as codegen_split
+from lrdsl.codegen.plan import plan
+from lrdsl.testing import Case
+
+SPLIT = ("rwkv7", "dplr", "iplr", "kda_decay_after_erase")
+DECAYED = ("rwkv7", "dplr", "kda_decay_after_erase")  # iplr has no decay
+LOG_DECAY = {"rwkv7": "w", "dplr": "gk", "kda_decay_after_erase": "g"}
+
+
+def _mixer(name):
+    return lrdsl.compile(next(p for p in EXAMPLES if p.stem == name))
+
+
+@pytest.fixture
+def no_copies(monkeypatch):
+    """chunk may not interleave: the in-place route must serve the call."""
+    def refuse(t):
+        raise AssertionError("the split interleaved its inputs")
+    monkeypatch.setattr(codegen_split, "interleave", refuse)
+
+
+@pytest.mark.parametrize("name", SPLIT)
+def test_every_split_example_reads_in_place(name):
+    m = _mixer(name)
+    p = plan(m.split.ir)
+    assert p.sub_tokens == 2 and p.sub_steps == (m.split.ir.split_phase,)
+    assert set(p.sub_reads) == {i.name for i in m.ir.inputs}
+
+
+CASES = [Case(B=2, T=37, H=2, HV=2, K=16, V=16, initial_state=True, seed=1),
+         Case(B=1, T=70, H=2, HV=2, K=16, V=16, cu_seqlens=(0, 19, 20, 70), initial_state=True, seed=2),
+         Case(B=2, T=70, H=1, HV=2, K=16, V=16, seed=3)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["T37_h0", "packed", "grouped"])
+@pytest.mark.parametrize("name", SPLIT)
+def test_in_place_route_matches_the_reference(name, case, no_copies):
+    errors, failures = compare(_mixer(name), case, seed=case.seed)
+    assert not failures, describe(errors)
+
+
+def _strong(name, value, block):
+    def edit(x):
+        g = x[LOG_DECAY[name]]
+        if block:
+            g[:, 16:32] = value  # a whole 16-token block
+        else:
+            g[:, 5] = value
+            g[:, 23, :, :3] = value
+    return edit
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["tokens", "block"])
+@pytest.mark.parametrize("value", [-1e4, -float("inf")], ids=["-1e4", "-inf"])
+@pytest.mark.parametrize("name", DECAYED)
+def test_strong_decays_in_place(name, value, block, no_copies):
+    case = Case(B=2, T=37, H=2, HV=2, K=16, V=16, initial_state=True, seed=5)
+    errors, failures = compare(_mixer(name), case, seed=5, edit=_strong(name, value, block))
+    assert not failures, describe(errors)
+
+
+def test_no_gradient_asked_for_runs_in_place(no_copies):
+    m = _mixer("rwkv7")
+    torch.manual_seed(0)
+    B, T, H, K = 2, 37, 2, 16
+    x = {i.name: torch.randn(B, T, H, K) for i in m.ir.inputs}
+    x["w"] = torch.nn.functional.logsigmoid(x["w"])
+    x["a"] = torch.rand(B, T, H, K)
+    o, S = m.chunk(**x, output_final_state=True)
+    o2, S2 = m.reference(**{n: t.double() for n, t in x.items()}, output_final_state=True)
+    assert o.shape == (B, T, H, K) and o.is_contiguous()
+    err = ((o.double() - o2).pow(2).mean().sqrt() / o2.pow(2).mean().sqrt()).item()
+    assert err < 1e-5 and ((S.double() - S2).norm() / S2.norm()).item() < 1e-5
+
+
+def test_keep_intermediates_takes_the_interleaved_route(monkeypatch):
+    """keep_intermediates (and torch.compile's custom op) keep the interleaved copies: counted."""
+    m = lrdsl.compile(next(p for p in EXAMPLES if p.stem == "rwkv7"), keep_intermediates=True)
+    calls = []
+    real = codegen_split.interleave
+    monkeypatch.setattr(codegen_split, "interleave", lambda t: calls.append(1) or real(t))
+    case = Case(B=2, T=37, H=2, HV=2, K=16, V=16, initial_state=True, seed=4)
+    errors, failures = compare(m, case, seed=4)
+    assert calls and not failures, describe(errors)
