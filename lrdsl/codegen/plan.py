@@ -269,6 +269,9 @@ class Plan(SubTokenRows):
     # the split's mixer (codegen/split.py, sub_tokens = 2): the inputs read at row r // 2 of their
     # one tensor, as sub_query (every input but the phase, sub_steps' one)
     sub_reads: tuple = ()
+    # (input, phase) of those whose gradient is zero in the other phase (codegen/split.py's
+    # grad_phases): stored at their token from that phase's rows alone; the others' at every row
+    sub_once: tuple = ()
 
     # the route's decisions and the tuning, under the names the templates read
     staged = _route_flag("staged")

@@ -78,7 +78,31 @@ def with_sub_tokens(m: ir.Mixer, p):
     if not m.split_phase or not p.staged or p.raw or p.raw_key or p.raw_value or p.raw_wy or p.decay_prefix:
         return p
     reads = tuple(l.name for l in p.loads if l.name != m.split_phase and not l.per_head)
-    return dataclasses.replace(p, sub_tokens=2, sub_steps=(m.split_phase,), sub_reads=reads)
+    return dataclasses.replace(p, sub_tokens=2, sub_steps=(m.split_phase,), sub_reads=reads,
+                               sub_once=tuple((x, j) for x, j in grad_phases(m) if x in reads))
+
+
+def grad_phases(m: ir.Mixer) -> tuple:
+    """(input, phase) of each input of split mixer m whose gradient is zero in the other phase:
+    every derivative of the per-token vectors (u, c, z, the log-decay, and r in phase 1: o is read
+    there alone, so r's gradient is zero in phase 0) by the input, with the phase substituted,
+    simplifies to 0 (sympy). rwkv7: q, k, v in phase 1, w, kk, a in phase 0; kda_decay_after_erase's
+    k and beta have both."""
+    from lrdsl.codegen.chain import _inline
+    p = ir.symbol(m.split_phase)
+    vectors = [m.write.key, m.write.value] + ([m.delta.c] if m.delta is not None else [])
+    vectors += [m.log_decay()] if m.decay.kind != "identity" else []
+    vectors = [_inline(m, e) for e in vectors]
+    query = _inline(m, m.query)
+    out = []
+    for i in m.inputs:
+        if i.name == m.split_phase:
+            continue
+        live = [j for j in (0, 1)
+                if any(simplified(sp.diff(e, i.symbol).subs(p, j)) != 0 for e in vectors + ([query] if j else []))]
+        if len(live) == 1:
+            out.append((i.name, live[0]))
+    return tuple(out)
 
 
 def _free_name(m: ir.Mixer, base: str) -> str:

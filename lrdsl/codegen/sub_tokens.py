@@ -38,10 +38,16 @@ class SubTokenRows:
         _chain_outputs): a step input's [n, ...] (a product's), a split's input's at each of the
         T _sub_len rows (its chain kernel stores one row per sub-token, _chain_sums adds them)."""
         if self.sub_reads:
-            return "torch.empty(B, T, *x.shape[2:], dtype=x.dtype, device=x.device)"
+            return f"torch.empty(B, {self.sub_grad_rows}, *x.shape[2:], dtype=x.dtype, device=x.device)"
         if self.sub_tokens:
             return "x.new_empty(_sub_len(inputs), *x.shape).squeeze(0) if n in SUB_STEPS else torch.empty_like(x)"
         return "torch.empty_like(x)"
+
+    @property
+    def sub_grad_rows(self) -> str:
+        """_chain_outputs' rows of input n's gradient: the split's tokens T0 where it lives in one
+        phase (sub_once), its sub-tokens T elsewhere."""
+        return "T0 if n in SUB_ONCE else T" if self.sub_reads else "T"
 
     @property
     def sub_pair_sums(self) -> str:
@@ -50,7 +56,7 @@ class SubTokenRows:
         if not self.sub_reads:
             return ""
         return ("\n    per = _sub_len(inputs)  # the split's: a token's gradient is its sub-tokens' sum"
-                "\n    grads = {x: g if x in PARAMS or per == 1 else g.view(B, T, per, *g.shape[2:]).sum(2)"
+                "\n    grads = {x: g if x in PARAMS or x in SUB_ONCE or per == 1 else g.view(B, T, per, *g.shape[2:]).sum(2)"
                 " for x, g in grads.items()}"
                 "\n    dz = dz if per == 1 else dz.view(B, T, per, *dz.shape[2:]).sum(2)")
 
@@ -74,6 +80,12 @@ class SubTokenRows:
         `tail`) where the plan reads that input by sub-token, else "": a step input's in the step's
         slice of one [n, ...] tensor (step_<name> elements apart), the query's at its token (the last
         sub-token's alone: sub_grad_mask; the others have none, their outputs being unread)."""
+        if self.sub_reads:  # the split's: an input whose gradient lives in one phase, at its token
+            if name not in dict(self.sub_once):
+                return ""
+            at = f"{ptr} + {self._sub_token(rows)} * HV + i_hv" if width == "1" else \
+                f"{ptr} + ({self._sub_token(rows)} * HV + i_hv) * {width}"
+            return f"{at} + {tail}" if tail else at
         if not self.sub_tokens or (name not in self.sub_steps and name != self.sub_query):
             return ""
         at = f"{ptr} + ({self._sub_token(rows)} * HV + i_hv) * {width}"
@@ -106,6 +118,9 @@ class SubTokenRows:
 
     def sub_grad_mask(self, name: str, rows: str) -> str:
         """The mask's factor of sub_grad's store: the query's gradient at the last sub-token alone."""
+        once = dict(self.sub_once)
+        if name in once:  # sub_n - 1 for the last step: every row where sub_n = 1 (interleaved rows)
+            return f" & ({self._sub_step(rows)} == {'sub_n - 1' if once[name] == self.sub_tokens - 1 else once[name]})"
         return f" & ({self._sub_step(rows)} == sub_n - 1)" if self.sub_tokens and name == self.sub_query else ""
 
     # Row r's token and step: r // sub_n and r % sub_n, sub_n being 1 or n. The divisor is written as
