@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_backward import compare, describe
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from test_backward import compare, describe, grad_cases
 from test_recurrent import EXAMPLES
 
 import lrdsl
@@ -95,3 +97,53 @@ def test_keep_intermediates_takes_the_interleaved_route(monkeypatch):
     case = Case(B=2, T=37, H=2, HV=2, K=16, V=16, initial_state=True, seed=4)
     errors, failures = compare(m, case, seed=4)
     assert calls and not failures, describe(errors)
+
+
+@st.composite
+def split_specs(draw):
+    """Spec texts that run split: a decay after the erase, an erase direction of its own, or the
+    additive D - a c^T with a != u; a decay per token, per key channel or none (where the form
+    still splits)."""
+    form = draw(st.sampled_from(("after", "other", "sum")))
+    # a decay per token commutes with the erase: after it, only a decay per key channel splits
+    decay = draw(st.sampled_from(("scalar", "diagonal", "none") if form == "other" else ("diagonal", "none")))
+    if form == "after":
+        decay = "diagonal"
+    d_input = {"scalar": "g log", "diagonal": "g[K] log", "none": ""}[decay]
+    d_text = {"scalar": "exp(g) ", "diagonal": "diag(exp(g)) ", "none": ""}[decay]
+    norm = draw(st.sampled_from(("", " l2norm")))
+    lines = ["mixer drawn", f"input q[K], k[K]{norm}, v[V]"]
+    if form == "after":
+        lines += [f"input {d_input}, beta in (0, 1)", f"S = {d_text}(I - beta k k^T) S + beta k v^T"]
+    elif form == "other":
+        lines += [f"input {d_input + ', ' if d_input else ''}a[K] l2norm, beta in (0, 1)",
+                  f"S = (I - beta a k^T) {d_text}S + k v^T"]
+    else:
+        lines += [f"input {d_input + ', ' if d_input else ''}a[K] l2norm, b[K] in [0, 1]",
+                  f"S = ({d_text or 'I '}- (b*a) a^T) S + k v^T"]
+    return "\n".join(lines + ["o = S^T q", "allow unstable"]) + "\n"
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, database=None, derandomize=True,
+          phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+@given(text=split_specs(), drawn=grad_cases())
+def test_random_split_specs_in_place_match_the_reference(text, drawn):
+    case, output_final_state = drawn
+    mixer = lrdsl.compile(text=text)
+    assert mixer.split is not None, text
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codegen_split, "interleave", lambda t: pytest.fail("the split interleaved its inputs"))
+        errors, failures = compare(mixer, case, output_final_state=output_final_state, seed=case.seed + 1)
+    assert not failures, f"{text}{case}: {describe(errors)}"
+
+
+@pytest.mark.parametrize("name, once", [
+    ("rwkv7", {"q": 1, "k": 1, "v": 1, "w": 0, "kk": 0, "a": 0}),
+    ("dplr", {"q": 1, "k": 1, "v": 1, "gk": 0, "a": 0, "b": 0, "beta": 0}),
+    ("iplr", {"q": 1, "k": 1, "v": 1, "kk": 0, "a": 0}),
+    ("kda_decay_after_erase", {"q": 1, "v": 1, "g": 1})])  # k and beta: both phases
+def test_gradients_of_one_phase_are_stored_at_their_tokens(name, once):
+    """codegen/split.py's grad_phases (sympy, the phase substituted): the inputs whose gradient is
+    zero in one phase; the chain kernel stores theirs at their token from the other phase's rows."""
+    assert dict(plan(_mixer(name).split.ir).sub_once) == once
