@@ -369,8 +369,10 @@ def kernels_text(m) -> str:
               f"           forward on {p.staged_chunk}-token chunks (templates/staged_rank2.py.jinja; less memory,\n"
               "           slower so far)\n")
     update = next(line for line in printer.explicit(s).splitlines() if line.startswith("S = "))
+    in_place = ("           both read from the spec's own tensors (no interleaved copy of an input, o or dO:\n"
+                "           plan.sub_reads; runtime/split.py)\n") if plan(s).sub_tokens else ""
     return ("chunk      split (lrdsl/codegen/split.py): the staged kernels on two tokens per token (phase 0, 1) of\n"
-            f"           {update}\n" + (native if p.rank2 else "") + wide + decode)
+            f"           {update}\n" + in_place + (native if p.rank2 else "") + wide + decode)
 
 
 def cmd_check(args) -> int:

@@ -13,10 +13,16 @@ a = u transition applied twice per token, with a phase p (0, then 1) that switch
 
 with D^[p] the decay in the phase that has it and 1 in the other (exp(gate(p, log d)): a product
 p log d would be nan where log d is -inf, a reset). The output is read at the second token of each
-pair. The split spec's kernels are generated like any other spec's; `Mixer.chunk` interleaves the
-tensors (each token twice, the phase beside them) and slices o. Phase 0 writes nothing (its value
+pair. The split spec's kernels are generated like any other spec's. Phase 0 writes nothing (its value
 is 0) and phase 1 erases nothing (its c is 0), so the split spec's states after phase 1 are the
-original's, exactly."""
+original's, exactly.
+
+`Mixer.chunk` runs its staged kernels on the spec's own [B, T, ...] tensors (runtime/split.py;
+with_sub_tokens below): row r of the 2T sub-tokens reads token r // 2 of every input, the phase
+r % 2 from a constant [2, H] tensor, o is stored and dO read at phase 1's rows, and each input's
+gradient is stored at its token from the phase it lives in (grad_phases) or at every row and
+summed. Where that route does not apply (runtime/split.py's in_place) chunk interleaves the
+tensors (each token twice, the phase beside them: interleave, phases) and slices o."""
 from __future__ import annotations
 
 import dataclasses
