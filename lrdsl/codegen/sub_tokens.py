@@ -8,7 +8,7 @@ The kernels' argument sub_n is n there, and 1 where the host gives them the inte
 
 The split (codegen/split.py) has n = 2: every input of its mixer but the phase is read at token
 r // 2 of its one tensor (Plan.sub_reads, as the query), and the phase, its one step input, from
-a constant [2, H] tensor read with token stride 0 (runtime/dispatch.py's in-place route)."""
+a constant [2, H] tensor read with token stride 0 (runtime/split.py's in-place route)."""
 from __future__ import annotations
 
 
@@ -33,10 +33,22 @@ class SubTokenRows:
         return "(*SUB_READS, *SUB_STEPS)" if self.sub_reads else "(SUB_QUERY, *SUB_STEPS)"
 
     @property
+    def sub_split_constants(self) -> str:
+        """The split's module constants after SUB_QUERY (common.jinja's constants), "" elsewhere."""
+        if not self.sub_reads:
+            return ""
+        reads = ", ".join(f'"{x}"' for x in self.sub_reads)
+        once = "".join(f'"{x}", ' for x, _ in self.sub_once)
+        return ("\n\n# the split's (codegen/split.py): both sub-tokens of token t read row t of these inputs"
+                f"\nSUB_READS = ({reads},)"
+                "\n# and these inputs' gradients are zero in one of the two: stored at their tokens, [B, T, ...]"
+                f"\nSUB_ONCE = ({once})")
+
+    @property
     def sub_grad_alloc(self) -> str:
         """The chain rule's host text that allocates an input's gradient (chain_rule.py.jinja's
-        _chain_outputs): a step input's [n, ...] (a product's), a split's input's at each of the
-        T _sub_len rows (its chain kernel stores one row per sub-token, _chain_sums adds them)."""
+        _chain_outputs): a step input's [n, ...] (a product's); a split's input's at its tokens
+        (sub_once) or at each sub-token's row, which _chain_sums adds per token."""
         if self.sub_reads:
             return f"torch.empty(B, {self.sub_grad_rows}, *x.shape[2:], dtype=x.dtype, device=x.device)"
         if self.sub_tokens:
@@ -79,7 +91,8 @@ class SubTokenRows:
         """Where the gradient of row `rows` of input `name` goes (its [HV, width] rows at `ptr`, plus
         `tail`) where the plan reads that input by sub-token, else "": a step input's in the step's
         slice of one [n, ...] tensor (step_<name> elements apart), the query's at its token (the last
-        sub-token's alone: sub_grad_mask; the others have none, their outputs being unread)."""
+        sub-token's alone: sub_grad_mask; the others have none, their outputs being unread); the
+        split's (plan.sub_reads) at its token for an input of sub_once alone, from its phase's rows."""
         if self.sub_reads:  # the split's: an input whose gradient lives in one phase, at its token
             if name not in dict(self.sub_once):
                 return ""
@@ -117,7 +130,8 @@ class SubTokenRows:
                 f" & ({self._sub_step('rows[:, None]')} == sub_n - 1)")
 
     def sub_grad_mask(self, name: str, rows: str) -> str:
-        """The mask's factor of sub_grad's store: the query's gradient at the last sub-token alone."""
+        """The mask's factor of sub_grad's store: the query's gradient at the last sub-token alone, a
+        split's input of sub_once at its phase's rows."""
         once = dict(self.sub_once)
         if name in once:  # sub_n - 1 for the last step: every row where sub_n = 1 (interleaved rows)
             return f" & ({self._sub_step(rows)} == {'sub_n - 1' if once[name] == self.sub_tokens - 1 else once[name]})"

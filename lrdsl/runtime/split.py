@@ -32,10 +32,11 @@ def in_place(mixer, batch):
     tensors = [x if n in params else _rows(x) if x.dim() == 4 else _rows(x[..., None])[..., 0] for n, x in t.items()]
     phase = split.ir.split_phase
     q = t["q"]
-    # phase j of every token and head: row j of this [2, H] tensor, read with token stride 0
+    # phase j of every token and head: row j of this [2, H] tensor, read with token stride 0 (set
+    # here: expand gives a dimension of size 1, T = 1, stride 1, which the kernels would read)
     steps = torch.arange(2, device=q.device, dtype=q.dtype)[:, None].expand(2, batch.H).contiguous()
     names += [phase, phase + ":1"]
-    tensors += [steps[j].expand(batch.B, batch.T, batch.H) for j in range(2)]
+    tensors += [steps.as_strided((batch.B, batch.T, batch.H), (0, 0, 1), j * batch.H) for j in range(2)]
     # the phase is no input of the caller's: never checked, never differentiated
     checked = [n if n not in (phase, phase + ":1") else "" for n in names]
     return names, checked, tensors
