@@ -352,8 +352,7 @@ def kernels_text(m) -> str:
                 "recurrent  token by token, one launch, all of V per program (templates/recurrent_value.py.jinja):\n"
                 "           the decode path\n")
     decode = decode.format("")
-    from lrdsl.codegen.plan import plan
-    from lrdsl.codegen.split import split_ir
+    from lrdsl.codegen.plan import plan, split_ir  # (plan.py imports split_ir)
     p = plan(m)
     wide = f"           keys wider than {p.staged_max_k} take the general kernels (templates/chunk.py.jinja)\n"
     if p.staged:
@@ -369,8 +368,9 @@ def kernels_text(m) -> str:
               f"           forward on {p.staged_chunk}-token chunks (templates/staged_rank2.py.jinja; less memory,\n"
               "           slower so far)\n")
     update = next(line for line in printer.explicit(s).splitlines() if line.startswith("S = "))
+    in_place = "           both read in place: no interleaved copy (runtime/split.py)\n" if plan(s).sub_tokens else ""
     return ("chunk      split (lrdsl/codegen/split.py): the staged kernels on two tokens per token (phase 0, 1) of\n"
-            f"           {update}\n" + (native if p.rank2 else "") + wide + decode)
+            f"           {update}\n" + in_place + (native if p.rank2 else "") + wide + decode)
 
 
 def cmd_check(args) -> int:

@@ -248,6 +248,39 @@ def test_novel_spec_written_for_the_tests_gpu(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["rwkv7", "dplr", "iplr", "kda_decay_after_erase"])
+def test_split_in_place_bf16_gpu(name, monkeypatch):
+    """The split's in-place route (runtime/split.py, 2026-12-07: no [B, 2T, ...] copy, so
+    codegen/split.py's interleave refuses here): bf16, packed sequences from an initial state, chunk
+    forward and backward beside the float64 reference, the examples' limits."""
+    from lrdsl.codegen import split as codegen_split
+    monkeypatch.setattr(codegen_split, "interleave", lambda t: pytest.fail("the split interleaved its inputs"))
+    path = next(p for p in EXAMPLES if os.path.basename(p) == name + ".lr")
+    mixer = lrdsl.compile(path)
+    T, H, K, V = 2048, 4, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = draw(mixer, 1, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    cu = torch.tensor([0, 701, 702, T], device="cuda", dtype=torch.int64)
+    h0 = torch.randn(3, H, K, V, generator=gen, device="cuda")
+    do = torch.randn(1, T, H, V, generator=gen, device="cuda")
+    ds = torch.randn(3, H, K, V, generator=gen, device="cuda")
+    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    ref["initial_state"] = h0.double().requires_grad_()
+    ref_o, ref_s = mixer.reference(**ref, cu_seqlens=cu, output_final_state=True)
+    ((ref_o * do.double()).sum() + (ref_s * ds.double()).sum()).backward()
+    got = {n: t.clone().requires_grad_() for n, t in x.items()}
+    got["initial_state"] = h0.clone().requires_grad_()
+    o, s = mixer.chunk(**got, cu_seqlens=cu, output_final_state=True)
+    ((o.double() * do.double()).sum() + (s.double() * ds.double()).sum()).backward()
+    errs = {"o": rms_ratio(o, ref_o), "S": rms_ratio(s, ref_s),
+            **{"d" + n: rms_ratio(got[n].grad, ref[n].grad) for n in got}}
+    RESULTS.append((name, "in place", errs["o"], max(errs.values())))
+    for n, e in errs.items():
+        limit = 5e-3 if n in ("o", "S") else QKV_TOL if n in ("dq", "dk", "dv", "dinitial_state") else GATE_TOL
+        assert e < limit, (n, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 @pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "mamba2", "retnet", "kda", "gla", "rwkv6"])
 def test_every_staged_config(name):
     """Each config the autotuner of a staged kernel may pick, one kernel at a time (the others at

@@ -59,6 +59,13 @@ class Chain:
     # the staged backward scales r's gradient itself (r = q * scale), the host masks the log-decay's
     # where the input was clamped or floored and casts (chain_rule.py.jinja)
     direct: tuple = ()
+    # inputs whose gradient no one reads (the split's phase, codegen/split.py): no terms, no store
+    skip: tuple = ()
+
+    @property
+    def inputs_text(self) -> str:
+        """The host's loop over the inputs with gradients (chain_rule.py.jinja), as Python text."""
+        return f"(n for n in INPUTS if n not in {self.skip})" if self.skip else "INPUTS"
 
 
 def _inline(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
@@ -109,11 +116,14 @@ def chain(m: ir.Mixer) -> Chain | None:
         kv["ad_" + a.name] = _inline(m, a.decay)
     # every derivative, per input: key-channel ones (and the log-decay's), value-channel ones
     k_parts, v_parts = [], []
+    skip = (m.split_phase,) if m.split_phase else ()
     for i in (*m.inputs, *m.params):  # in the order of the plan's loads
         kt = [(n, d) for n, d in ((n, sp.diff(e, i.symbol)) for n, e in kv.items()) if d != 0]
         gd = sp.diff(gl, i.symbol) if gl is not None else sp.Integer(0)
+        if i.name in skip:
+            kt, gd = [], sp.Integer(0)
         k_parts.append((kt, gd))
-        v_parts.append([d for d in [sp.diff(z, i.symbol)] if d != 0])
+        v_parts.append([d for d in [sp.diff(z, i.symbol)] if d != 0 and i.name not in skip])
     k_exprs = [d for kt, gd in k_parts for d in [d for _, d in kt] + ([gd] if gd != 0 else [])]
     k_exprs += [d for pt in p_parts for _, d in pt]
     v_exprs = [d for vt in v_parts for d in vt]
@@ -137,7 +147,7 @@ def chain(m: ir.Mixer) -> Chain | None:
                     and not i.l2norm and not i.clamped)
     v_loop = any(vt for i, vt in zip((*m.inputs, *m.params), v_parts) if i.name not in v_given)
     return Chain(k_temps, v_temps, grads, raw_gl, solve=m.solve_lam is not None, v_given=v_given, v_loop=v_loop,
-                 extra=extra, aux=aux, direct=_direct(m, gl, k_parts, v_parts, v_given))
+                 extra=extra, aux=aux, direct=_direct(m, gl, k_parts, v_parts, v_given), skip=skip)
 
 
 def _direct(m: ir.Mixer, gl, k_parts: list, v_parts: list, v_given: tuple) -> tuple:

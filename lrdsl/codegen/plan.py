@@ -9,7 +9,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from lrdsl.codegen import chain_order, product
+from lrdsl.codegen import chain_order, product, split
 from lrdsl.codegen import raw as operands
 from lrdsl.codegen.chain import Chain, chain
 from lrdsl.codegen.raw import Raw
@@ -266,6 +266,12 @@ class Plan(SubTokenRows):
     sub_tokens: int = 0
     sub_steps: tuple = ()  # (the erase and write key, the write value: dz is its gradient)
     sub_query: str = ""
+    # the split's mixer (codegen/split.py, sub_tokens = 2): the inputs read at row r // 2 of their
+    # one tensor, as sub_query (every input but the phase, sub_steps' one)
+    sub_reads: tuple = ()
+    # (input, phase) of those whose gradient is zero in the other phase (codegen/split.py's
+    # grad_phases): stored at their token from that phase's rows alone; the others' at every row
+    sub_once: tuple = ()
 
     # the route's decisions and the tuning, under the names the templates read
     staged = _route_flag("staged")
@@ -494,7 +500,7 @@ def plan(m: ir.Mixer) -> Plan:
         readout_before=before is not None,
         bonus_key=code(before.bonus_key) if before is not None and before.bonus_key is not None else "",
     )
-    return product.with_sub_tokens(m, p)
+    return split.with_sub_tokens(m, product.with_sub_tokens(m, p))
 
 
 def _n_fields(m: ir.Mixer) -> dict:

@@ -13,10 +13,16 @@ a = u transition applied twice per token, with a phase p (0, then 1) that switch
 
 with D^[p] the decay in the phase that has it and 1 in the other (exp(gate(p, log d)): a product
 p log d would be nan where log d is -inf, a reset). The output is read at the second token of each
-pair. The split spec's kernels are generated like any other spec's; `Mixer.chunk` interleaves the
-tensors (each token twice, the phase beside them) and slices o. Phase 0 writes nothing (its value
+pair. The split spec's kernels are generated like any other spec's. Phase 0 writes nothing (its value
 is 0) and phase 1 erases nothing (its c is 0), so the split spec's states after phase 1 are the
-original's, exactly."""
+original's, exactly.
+
+`Mixer.chunk` runs its staged kernels on the spec's own [B, T, ...] tensors (runtime/split.py;
+with_sub_tokens below): row r of the 2T sub-tokens reads token r // 2 of every input, the phase
+r % 2 from a constant [2, H] tensor, o is stored and dO read at phase 1's rows, and each input's
+gradient is stored at its token from the phase it lives in (grad_phases) or at every row and
+summed. Where that route does not apply (runtime/split.py's in_place) chunk interleaves the
+tensors (each token twice, the phase beside them: interleave, phases) and slices o."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +68,47 @@ def split_ir(m: ir.Mixer) -> ir.Mixer | None:
         kind = "diagonal" if decay.kind == "diagonal" else "scalar"
         decay = ir.Decay(kind, sp.exp(gate(decays, m.log_decay())))
     out = dataclasses.replace(m, name=m.name + "_split", inputs=(*m.inputs, phase), decay=decay,
-                              delta=ir.Delta(key, (1 - p) * c, order), write=ir.Write(key, p * m.write.value))
+                              delta=ir.Delta(key, (1 - p) * c, order), write=ir.Write(key, p * m.write.value),
+                              split_phase=phase.name)
     return None if not_staged(out) else out
+
+
+def with_sub_tokens(m: ir.Mixer, p):
+    """Plan p of a split mixer with its two sub-tokens read in place (plan.sub_tokens = 2): every
+    input but the phase at token r // 2 of its own [B, T, ...] tensor (plan.sub_reads), the phase as
+    the one step input (plan.sub_steps), from a constant [2, H] tensor with token stride 0, and o
+    stored at phase 1's rows alone (plan.sub_out). Only where the staged forward reads the inputs
+    through _staged_k, _staged_v and the raw query's holes alone: plans with raw keys, values or
+    WY tiles, or a decay prefix launch, keep the interleaved tensors (none of the examples has
+    them). The kernels' sub_n = 1 reads interleaved tensors as before (the runtime's other routes)."""
+    if not m.split_phase or not p.staged or p.raw or p.raw_key or p.raw_value or p.raw_wy or p.decay_prefix:
+        return p
+    reads = tuple(l.name for l in p.loads if l.name != m.split_phase and not l.per_head)
+    return dataclasses.replace(p, sub_tokens=2, sub_steps=(m.split_phase,), sub_reads=reads,
+                               sub_once=tuple((x, j) for x, j in grad_phases(m) if x in reads))
+
+
+def grad_phases(m: ir.Mixer) -> tuple:
+    """(input, phase) of each input of split mixer m whose gradient is zero in the other phase:
+    every derivative of the per-token vectors (u, c, z, the log-decay, and r in phase 1: o is read
+    there alone, so r's gradient is zero in phase 0) by the input, with the phase substituted,
+    simplifies to 0 (sympy). rwkv7: q, k, v in phase 1, w, kk, a in phase 0; kda_decay_after_erase's
+    k and beta have both."""
+    from lrdsl.codegen.chain import _inline
+    p = ir.symbol(m.split_phase)
+    vectors = [m.write.key, m.write.value] + ([m.delta.c] if m.delta is not None else [])
+    vectors += [m.log_decay()] if m.decay.kind != "identity" else []
+    vectors = [_inline(m, e) for e in vectors]
+    query = _inline(m, m.query)
+    out = []
+    for i in m.inputs:
+        if i.name == m.split_phase:
+            continue
+        live = [j for j in (0, 1)
+                if any(simplified(sp.diff(e, i.symbol).subs(p, j)) != 0 for e in vectors + ([query] if j else []))]
+        if len(live) == 1:
+            out.append((i.name, live[0]))
+    return tuple(out)
 
 
 def _free_name(m: ir.Mixer, base: str) -> str:

@@ -201,6 +201,9 @@ class Mixer:
     # a product's direct sub-mixer (codegen/product.py): its staged chunk kernels may read the n
     # sub-tokens of each token from the spec's own tensors (plan.sub_tokens); 0 elsewhere
     sub_tokens: int = 0
+    # the split's mixer (codegen/split.py): its phase input's name; its staged chunk kernels may read
+    # both sub-tokens of each token from the spec's own tensors (plan.sub_tokens = 2); "" elsewhere
+    split_phase: str = ""
 
     @property
     def n_steps(self) -> int:

@@ -37,6 +37,12 @@ def chunk_rank2(mixer, batch):
 
 
 def chunk_split(mixer, batch):
+    """The split's staged kernels: on the call's own tensors where runtime/split.py's in_place takes
+    the call, else on [B, 2T, ...] interleaved copies (each token twice, the phase beside them)."""
+    from lrdsl.runtime import split
+    route = split.in_place(mixer, batch)
+    if route is not None:
+        return split.run(mixer, batch, route)
     from lrdsl.codegen.split import interleave, phases
     params = {p.name for p in mixer.ir.params}
     t = {n: x if n in params else interleave(x) for n, x in batch.tensors.items()}
