@@ -216,6 +216,16 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     Inputs with non-finite entries: the backward of their finite copies (runtime/nonfinite.py), nan
     at those entries. residual_owned: no one but this backward reads `residual` (ChunkFunction's; the
     custom op's is an output of its forward), so it may be changed in place."""
+    if nonfinite.MODE == "device" and reads_inputs(mixer_ir, module, batch.K, saved):
+        if residual is not None and not (residual_owned and residual.is_contiguous()):
+            residual = residual.contiguous().clone()
+        st, bad = finite_states(mixer_ir, module, names, names, tensors, batch.scale, h0, batch.cu_seqlens, saved,
+                                residual)
+        if st is None:  # the forward's own stages, on the inputs as they are
+            st = nonfinite.finite_kept(saved, [tensors[names.index(n)] for n in module.INPUTS])
+        grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, st, residual,
+                                        initial_aux, dfinal_aux)
+        return nonfinite.device_nan_at(mixer_ir, names, tensors, grads, bad), dh0, daux
     if nonfinite.MODE == "device":  # no wait for the device (runtime/nonfinite.py)
         finite, bad = nonfinite.device_copies(mixer_ir, names, tensors)
         by_name = dict(zip(names, finite))
@@ -237,6 +247,39 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, finite, h0, do, dht, needs, None, None,
                                     initial_aux, dfinal_aux)
     return nonfinite.nan_at(grads, masks), dh0, daux
+
+
+def reads_inputs(mixer_ir, module, K, saved) -> bool:
+    """Whether this backward runs the staged kernels whose loads make the inputs finite themselves
+    (codegen/finite.py: the module's FINITE_LOADS) and the generated chain rule, with no auxiliary
+    state (their PyTorch scans would read the inputs): no finite copies for them."""
+    return (nonfinite.FINITE_AT_LOAD and getattr(module, "FINITE_LOADS", False) and module.HAS_CHAIN_RULE
+            and not mixer_ir.aux and K <= module.STAGED_MAX_K and (saved is None or "staged" in saved))
+
+
+def finite_states(mixer_ir, module, names, checked, tensors, scale, h0, cu_seqlens, saved, residual=None):
+    """(the staged forward's stages 1 to 3 that the backward reads, made again from finite copies of
+    the inputs, which are dropped at once: its own kernels read the inputs (args) themselves; None
+    where the forward kept them (`saved`), the inputs' flags (nonfinite.device_copies'; without the
+    copies, nonfinite.device_flags'). checked: each tensor's input name for the rule; residual (the
+    forward's solve, or None) is zeroed in place where a flag is set, and the stages made from it."""
+    if saved is not None:
+        finite, bad = None, nonfinite.device_flags(mixer_ir, checked, tensors)
+    else:
+        finite, bad = nonfinite.device_copies(mixer_ir, checked, tensors)
+    flags = [f for f in bad if f is not None]
+    if residual is not None and flags:  # (in place: the caller's own)
+        nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
+    if saved is not None:
+        return None, bad
+    copies, h0c, cu = host_args(names, finite, h0, cu_seqlens)
+    del finite
+    st = module._staged_states(copies, scale, h0c, False, cu, residual, None, keep_aux=bool(module.CHAIN_AUX))
+    inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
+    head = [inputs[n] for n in module.INPUTS] + (module._sub_args(inputs) if hasattr(module, "_sub_args") else [])
+    st["args"] = head + st["args"][len(head):]
+    st["staged"] = True
+    return st, bad
 
 
 def _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved, residual, initial_aux,
