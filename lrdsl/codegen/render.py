@@ -29,10 +29,7 @@ def render(plan: Plan, version: str, finite_rules: dict | None = None) -> str:
     text = _render("module.py.jinja", plan=plan, schedule=schedule, value_side=value_side, version=version)
     if finite_rules is None or not plan.staged_backward:
         return text
-    backward = set()
-    for t in schedule.backward_templates(plan):
-        part = _render(t, plan=plan, schedule=schedule, value_side=value_side, version=version)
-        backward |= set(re.findall(r"^def (\w+)\(", part, re.M))
+    backward = backward_functions(plan, version)
     ptrs = {"in_" + n: rule for n, rule in finite_rules.items()}
     for alias, raw in (("rq_ptr", plan.raw_query), ("rk_ptr", plan.raw_key)):
         if raw is not None:
@@ -41,6 +38,15 @@ def render(plan: Plan, version: str, finite_rules: dict | None = None) -> str:
         return finite.sanitise(text, backward, ptrs)
     except finite.Unsupported:
         return text
+
+
+def backward_functions(plan: Plan, version: str) -> set:
+    """The names of the functions the staged backward's templates define (codegen/finite.py)."""
+    out = set()
+    for t in schedule.backward_templates(plan):
+        part = _render(t, plan=plan, schedule=schedule, value_side=value_side, version=version)
+        out |= set(re.findall(r"^def (\w+)\(", part, re.M))
+    return out
 
 
 def render_solve(solve, version: str) -> str:
