@@ -1,9 +1,9 @@
 """The staged backward that reads the inputs themselves (codegen/finite.py; issues 39 and 43).
 
 Its kernels put the finite copy's fill in place of each bad entry as they load an input, so the
-device-mode backward hands them the inputs, not runtime/nonfinite.py's copies. Checked here: the
-copies are gone from the kernels' arguments (and, where the forward kept its stages, not made at
-all); the gradients, with a nan, an inf or a -inf planted in each kind of input, are the copy path's
+device-mode backward hands them the inputs, not runtime/nonfinite.py's copies, and makes the
+forward's stages again with twins of its kernels that do the same. Checked here: no copy is made;
+the gradients, with a nan, an inf or a -inf planted in each kind of input, are the copy path's
 (nonfinite.FINITE_AT_LOAD = False) and the float64 reference's before the bad token; the forward's
 kernels keep their bytes.
 """
@@ -101,9 +101,11 @@ def test_gradients_are_the_copy_paths_and_the_references(stem, planted, compiled
         assert all(torch.isfinite(g).all() for g in new.values())
 
 
-def test_no_copies_reach_the_kernels(compiled, monkeypatch):
-    """The copies are made for the recompute of the forward's stages alone (the staged kernels
-    then get the inputs themselves), and not at all where the forward kept its stages."""
+def test_no_copies(compiled, monkeypatch):
+    """No finite copy is made (nonfinite.device_copies, whose Triton pass writes one per input):
+    the staged kernels, and the twins that make the forward's stages again, get the inputs
+    themselves; nor where the forward kept its stages."""
+    monkeypatch.setattr(nonfinite, "device_copies", lambda *a: pytest.fail("a finite copy was made"))
     mixer = compiled(spec_path("comba"), check_ranges=False)
     x, opts = draw_inputs(mixer, CASE, DEVICE)
     x = plant(x, "k", math.nan, True)
@@ -125,8 +127,7 @@ def test_no_copies_reach_the_kernels(compiled, monkeypatch):
     assert [t.data_ptr() for t in st["args"][:n_in]] == [leaves[n].data_ptr() for n in module.INPUTS]
     assert torch.isnan(leaves["k"].grad[0, ROW]).all()
 
-    # the forward kept its stages: a flag pass, no copy
-    monkeypatch.setattr(nonfinite, "device_copies", lambda *a: pytest.fail("a finite copy was made"))
+    # the forward kept its stages: a flag pass alone
     kept = compiled(spec_path("comba"), check_ranges=False, keep_intermediates=True)
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     o, _ = kept.chunk(**leaves, **opts)
@@ -166,7 +167,15 @@ def test_forward_functions_keep_their_bytes(stem):
         if n not in backward:
             assert before[a:b] == after[new[n][0]:new[n][1]], f"{stem}: {n} changed"
     if p.staged_backward:
-        assert "FINITE_LOADS = True" in after and re.search(r"_finite_input\(tl\.load\(in_", after)
-        assert not re.search(r"[^(]\btl\.load\(in_", "".join(after[new[n][0]:new[n][1]] for n in backward if n in new))
+        assert "FINITE_LOADS = True" in after and "def _staged_states_finite(" in after
+        # every load of an input in the backward's functions and in the twins is made finite
+        made = [n for n in new if n in backward or n.endswith("_finite")]
+        lines = "".join(after[new[n][0]:new[n][1]] for n in made).splitlines() + [""]
+        loads = [i for i, ln in enumerate(lines) if "tl.load(in_" in ln]
+        assert loads
+        for i in loads:
+            whole = re.match(r"\s*(\w+) = tl\.load\((in_\w+)", lines[i])
+            assert "_finite_input(tl.load(in_" in lines[i] or (
+                whole and re.match(rf"\s*{whole[1]} = _finite_input\({whole[1]}, {whole[2]}, ", lines[i + 1])), lines[i]
     else:
         assert after == before

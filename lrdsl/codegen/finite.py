@@ -3,7 +3,7 @@
 runtime/nonfinite.py's device mode ran every backward on finite copies of the inputs. Here each
 load of an input in a backward kernel (and in the forward helpers those kernels call, through a
 twin of each) puts the copy's fill value in place of the entries the copy replaced, so the kernels
-read the inputs themselves: `_finite_input(tl.load(in_x ...), fill, POS, NEG)`, with input x's fill and
+read the inputs themselves: `x = tl.load(in_x ...)` then `x = _finite_input(x, in_x, fill, POS, NEG)`, with input x's fill and
 which infinities are bad decided here from the spec (nonfinite.load_rule). The forward's functions
 keep their bytes: the backward calls `<helper>_finite`, a copy of the helper with its loads so
 wrapped. A module whose backward reaches an input through anything but a plain `tl.load(in_x ...)`
@@ -16,19 +16,20 @@ import re
 from lrdsl.frontend import ir
 from lrdsl.runtime import nonfinite
 
-_DEF = re.compile(r"^@triton\.jit\ndef (\w+)\(", re.M)
+_DEF = re.compile(r"^@triton\.jit(?:\(.*\))?\ndef (\w+)\(", re.M)
 _TOP = re.compile(r"^(?=[@A-Za-z_#])", re.M)  # a line that starts a new top-level statement
 
 HELPER = '''@triton.jit
-def _finite_input(x, fill, POS: tl.constexpr, NEG: tl.constexpr):
-    # x with fill where the backward's finite copy of its input had it (runtime/nonfinite.py): every
-    # nan, +inf with POS, -inf with NEG; in x's own dtype, as the copy stored it
+def _finite_input(x, ptr, fill, POS: tl.constexpr, NEG: tl.constexpr):
+    # x, loaded from ptr's input, with fill where the backward's finite copy of that input had it
+    # (runtime/nonfinite.py): every nan, +inf with POS, -inf with NEG; fill rounded to the input's
+    # dtype, as the copy stored it
     bad = x != x
     if POS:
         bad = bad | (x == float("inf"))
     if NEG:
         bad = bad | (x == float("-inf"))
-    return tl.where(bad, fill, x).to(x.dtype)
+    return tl.where(bad, tl.full([], fill, ptr.dtype.element_ty).to(x.dtype), x)
 
 
 FINITE_LOADS = True  # the staged backward reads the inputs themselves (codegen/finite.py)
@@ -74,8 +75,23 @@ class Unsupported(ValueError):
     """The backward reads an input some other way than a plain load: the module keeps the copies."""
 
 
+def _aliases(body: str, ptrs: dict) -> dict:
+    """ptrs and the pointers that a function makes from one of them (`p_z = in_v + ...`): the
+    same arguments (the staged forward's WY stage moves its value pointer so)."""
+    out = dict(ptrs)
+    for mt in re.finditer(r"^\s*(\w+) = (\w+) \+", body, re.M):
+        if mt.group(2) in ptrs:
+            out[mt.group(1)] = ptrs[mt.group(2)]
+    return out
+
+
+_WHOLE = re.compile(r"(\.to\([\w.]*\))?(\[[^\]]*\])?\s*$")  # what may follow a load that is a whole statement
+
+
 def _wrap_loads(body: str, ptrs: dict) -> str:
-    """body with every tl.load of an input pointer (ptrs: pointer -> _finite's arguments) wrapped."""
+    """body with every tl.load of an input pointer (ptrs: pointer -> _finite_input's arguments
+    after the pointer) made finite: `x = tl.load(p ...)` (converted, broadcast) is followed by
+    `x = _finite_input(x, p, ...)`, a load inside an expression wrapped in place."""
     out, pos = [], 0
     for mt in re.finditer(r"tl\.load\(", body):
         if mt.start() < pos:
@@ -83,20 +99,49 @@ def _wrap_loads(body: str, ptrs: dict) -> str:
         arg = re.match(r"\s*(\w+)", body[mt.end():])
         if arg is None or arg.group(1) not in ptrs:
             continue
-        end = _close(body, mt.end() - 1)
-        out += [body[pos:mt.start()], "_finite_input(", body[mt.start():end], ", ", ptrs[arg.group(1)], ")"]
-        pos = end
+        p, end = arg.group(1), _close(body, mt.end() - 1)
+        line_start = body.rfind("\n", 0, mt.start()) + 1
+        line_end = body.find("\n", end)
+        line_end = len(body) if line_end < 0 else line_end
+        lead = re.match(r"(\s*)(\w+) = $", body[line_start:mt.start()])
+        if lead and _WHOLE.match(body[end:line_end]):
+            indent, var = lead.groups()
+            out += [body[pos:line_end], f"\n{indent}{var} = _finite_input({var}, {p}, {ptrs[p]})"]
+            pos = line_end
+        else:
+            out += [body[pos:mt.start()], "_finite_input(", body[mt.start():end], f", {p}, {ptrs[p]})"]
+            pos = end
     out.append(body[pos:])
     return "".join(out)
 
 
+_TUNED = re.compile(r"^(\w+) = triton\.autotune\((.*)\)\((\w+)\)$", re.M)
+HOST = "_staged_states"  # the host function whose stages the backward makes again
+
+
+def _host(text: str) -> tuple:
+    """(start, end) of the host function HOST in the module text, or None."""
+    mt = re.search(rf"^def {HOST}\(", text, re.M)
+    if mt is None:
+        return None
+    nxt = _TOP.search(text, text.index("\n", mt.end()) + 1)
+    return mt.start(), nxt.start() if nxt is not None else len(text)
+
+
 def sanitise(text: str, backward: set, ptrs: dict) -> str:
     """The module text with the loads of the functions named in `backward` (and of twins of the
-    other functions they reach that load an input) wrapped in _finite. ptrs: each input pointer's
-    name (in_<input>, and the raw operands' own pointer names) -> _finite's arguments after the
-    tile. Raises Unsupported where a reached function uses an input pointer other than as a load's
-    address or an argument passed on."""
+    other functions they reach that load an input) wrapped in _finite_input, and a twin of HOST
+    (`_staged_states_finite`) that launches twins of the kernels it launches (with twins of their
+    autotuned wrappers). ptrs: each input pointer's name (in_<input>, and the raw operands' own
+    pointer names) -> _finite_input's arguments after the tile. Raises Unsupported where a reached
+    function uses an input pointer other than as a load's address or an argument passed on, or
+    HOST launches a kernel that loads an input and has no twin."""
     blocks = _blocks(text)
+    host = _host(text)
+    wrappers = _TUNED.findall(text)
+    tuned = {w: k for w, _, k in wrappers}
+    launched = set(re.findall(r"\b(\w+)\[", text[host[0]:host[1]])) if host else set()
+    roots = {tuned.get(x, x) for x in launched} & set(blocks)
     src = {n: text[a:b] for n, (a, b) in blocks.items()}
     calls = {n: {c for c in blocks if c != n and re.search(rf"\b{c}\(", s)} for n, s in src.items()}
     direct = {n for n, s in src.items() if any(re.search(rf"tl\.load\(\s*{p}\b", s) for p in ptrs)}
@@ -107,24 +152,27 @@ def sanitise(text: str, backward: set, ptrs: dict) -> str:
             break
         loaders |= more
     live = [n for n in blocks if n in backward]
-    twins, todo = set(), [c for n in live for c in calls[n]]
+    twins, todo = set(), [c for n in live for c in calls[n]] + sorted(roots)
     while todo:
         c = todo.pop()
         if c in loaders and c not in backward and c not in twins:
             twins.add(c)
             todo += calls[c]
-    if not twins and not any(n in loaders for n in live):
-        return text
+    if not twins and not any(n in loaders for n in live) or host is None:
+        raise Unsupported("no staged backward that reads an input")
     pattern = re.compile(r"\b(" + "|".join(sorted(twins, key=len, reverse=True)) + r")\(") if twins else None
 
     def convert(name):
-        body = _wrap_loads(src[name], ptrs)
+        local = _aliases(src[name], ptrs)
+        body = _wrap_loads(src[name], local)
         if pattern is not None:
             body = pattern.sub(r"\1_finite(", body)
-        for p in ptrs:  # what is left of an input pointer: a name passed on whole, or moved in place
+        for p in local:  # what else reads an input pointer: passed on whole, moved in place, aliased
             for mt in re.finditer(rf"\b{p}\b", body):
                 after = body[mt.end():].lstrip(" ")
-                if not after.startswith((",", ")", ":", "+=")) and not body[:mt.start()].endswith("tl.load("):
+                alias = re.search(r"^\s*\w+ = $", body[body.rfind("\n", 0, mt.start()) + 1:mt.start()])
+                if not (after.startswith((",", ")", ":", "+=")) or body[:mt.start()].endswith("tl.load(")
+                        or (alias and after.startswith("+")) or (p not in ptrs and after.startswith("= "))):
                     raise Unsupported(f"{name} reads {p} through `{body[mt.start():mt.start() + 40]}`")
         return body
     new = {n: convert(n) for n in blocks if n in backward or n in twins}
@@ -137,4 +185,16 @@ def sanitise(text: str, backward: set, ptrs: dict) -> str:
         out += [text[pos:a], new[n]]
         pos = b
     out.append(text[pos:])
-    return "".join(out)
+    return "".join(out) + _host_twin(text[host[0]:host[1]], wrappers, twins)
+
+
+def _host_twin(host: str, wrappers: list, twins: set) -> str:
+    """The autotuned wrappers (wrappers: (name, autotune's arguments, kernel) each) of the twinned
+    kernels and HOST's twin, which launches them."""
+    lines = [f"{w}_finite = triton.autotune({args})({k}_finite)" for w, args, k in wrappers if k in twins]
+    names = {w for w, _, k in wrappers if k in twins} | twins
+    body = re.sub(rf"^def {HOST}\(", f"def {HOST}_finite(", host, flags=re.M)
+    body = re.sub(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\[", r"\1_finite[", body)
+    return ("\n\n# the backward's twins of the autotuned kernels above and of _staged_states: the same\n"
+            "# stages, their loads of the inputs made finite (codegen/finite.py)\n"
+            + "\n".join(lines) + "\n\n\n" + body.rstrip("\n") + "\n")

@@ -258,26 +258,19 @@ def reads_inputs(mixer_ir, module, K, saved) -> bool:
 
 
 def finite_states(mixer_ir, module, names, checked, tensors, scale, h0, cu_seqlens, saved, residual=None):
-    """(the staged forward's stages 1 to 3 that the backward reads, made again from finite copies of
-    the inputs, which are dropped at once: its own kernels read the inputs (args) themselves; None
-    where the forward kept them (`saved`), the inputs' flags (nonfinite.device_copies'; without the
-    copies, nonfinite.device_flags'). checked: each tensor's input name for the rule; residual (the
-    forward's solve, or None) is zeroed in place where a flag is set, and the stages made from it."""
-    if saved is not None:
-        finite, bad = None, nonfinite.device_flags(mixer_ir, checked, tensors)
-    else:
-        finite, bad = nonfinite.device_copies(mixer_ir, checked, tensors)
+    """(the staged forward's stages 1 to 3 that the backward reads, made again by the kernels' twins
+    whose loads make the inputs finite (the module's _staged_states_finite); None where the forward
+    kept them (`saved`), the inputs' flags (nonfinite.device_flags': no copy). checked: each tensor's
+    input name for the rule; residual (the forward's solve, or None) is zeroed in place where a flag
+    is set, and the stages made from it."""
+    bad = nonfinite.device_flags(mixer_ir, checked, tensors)
     flags = [f for f in bad if f is not None]
     if residual is not None and flags:  # (in place: the caller's own)
         nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
     if saved is not None:
         return None, bad
-    copies, h0c, cu = host_args(names, finite, h0, cu_seqlens)
-    del finite
-    st = module._staged_states(copies, scale, h0c, False, cu, residual, None, keep_aux=bool(module.CHAIN_AUX))
-    inputs = {n: t.contiguous() for n, t in zip(names, tensors)}
-    head = [inputs[n] for n in module.INPUTS] + (module._sub_args(inputs) if hasattr(module, "_sub_args") else [])
-    st["args"] = head + st["args"][len(head):]
+    inputs, h0c, cu = host_args(names, tensors, h0, cu_seqlens)
+    st = module._staged_states_finite(inputs, scale, h0c, False, cu, residual, None, keep_aux=bool(module.CHAIN_AUX))
     st["staged"] = True
     return st, bad
 
