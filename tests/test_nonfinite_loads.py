@@ -18,7 +18,7 @@ from test_recurrent import DEVICE
 
 import lrdsl
 from lrdsl.codegen import finite
-from lrdsl.runtime import nonfinite
+from lrdsl.runtime import nonfinite, product
 from lrdsl.testing import TOL, Case, draw_inputs, rms_ratio
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
@@ -32,8 +32,12 @@ ROW = 20 + 37  # inside the second sequence's first 64-token chunk
 PLANTS = {"k-nan": ("k", math.nan, True), "v-inf": ("v", math.inf, False), "beta-nan": ("beta", math.nan, True),
           "g-reset": ("g", -math.inf, True), "beta-clamped-inf": ("beta", math.inf, True),
           "q-minus-inf": ("q", -math.inf, False)}
-SPECS = ("comba", "gated_deltanet", "kda")
-DEFAULT = {("comba", p) for p in PLANTS} | {("gated_deltanet", "v-inf"), ("kda", "k-nan")}
+SPECS = ("comba", "gated_deltanet", "kda", "delta_product2")  # delta_product2: runtime/product.py's sub-tokens
+DEFAULT = {("comba", p) for p in PLANTS} | {("gated_deltanet", "v-inf"), ("kda", "k-nan"), ("delta_product2", "beta-nan")}
+GAINS = {"delta_product2": "b2"}  # the spec's beta (the second step's)
+# delta_product2 with one value head per key head: the sub-token kernels on each step's own tensors
+# (product.py's _StepsChunk), which grouped value heads leave for the interleaved copy
+CASES = {"delta_product2": Case(B=1, T=90, H=2, HV=2, K=16, V=16, cu_seqlens=(0, 20, 90), initial_state=True, seed=4)}
 
 
 def plant(x, name, value, whole, row=ROW):
@@ -68,11 +72,12 @@ def matrix():
 @pytest.mark.parametrize("stem,planted", matrix())
 def test_gradients_are_the_copy_paths_and_the_references(stem, planted, compiled, monkeypatch):
     mixer = compiled(spec_path(stem), check_ranges=False)
-    assert mixer.kernels.FINITE_LOADS
-    x, opts = draw_inputs(mixer, CASE, DEVICE)
-    if stem == "comba" and "beta" in planted:
-        assert "beta" in mixer.kernels.INPUTS
+    assert (mixer.product.kernels if mixer.product else mixer.kernels).FINITE_LOADS
+    x, opts = draw_inputs(mixer, CASES.get(stem, CASE), DEVICE)
+    steps = []
+    monkeypatch.setattr(product, "_run_per_step", lambda *a, real=product._run_per_step: steps.append(1) or real(*a))
     name, value, whole = PLANTS[planted]
+    name = GAINS.get(stem, "beta") if name == "beta" else name
     spoiled = plant(x, name, value, whole)
     with torch.no_grad():
         ref_o = mixer.reference(**{n: t.double() for n, t in spoiled.items()},
@@ -86,6 +91,7 @@ def test_gradients_are_the_copy_paths_and_the_references(stem, planted, compiled
         assert torch.equal(f, torch.isfinite(new[n])), f"d{n}: inf at other entries"
         if f.any():
             assert rms_ratio(new[n][f], old[n][f]) < 1e-6, f"d{n} differs from the copy path's"
+    assert bool(steps) == (stem in CASES)
     # and the float64 reference's (on the planted inputs, the loss masked to its finite outputs)
     # wherever that one is finite, before the planted row
     ref = gradients(mixer.reference, spoiled, opts, torch.float64, do * fin)

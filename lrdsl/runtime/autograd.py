@@ -219,8 +219,8 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     if nonfinite.MODE == "device" and reads_inputs(mixer_ir, module, batch.K, saved):
         if residual is not None and not (residual_owned and residual.is_contiguous()):
             residual = residual.contiguous().clone()
-        st, bad = finite_states(mixer_ir, module, names, names, tensors, batch.scale, h0, batch.cu_seqlens, saved,
-                                residual)
+        inputs, h0c, cu = host_args(names, tensors, h0, batch.cu_seqlens)
+        st, bad = finite_states(mixer_ir, module, inputs, names, batch.scale, h0c, cu, saved, residual)
         if st is None:  # the forward's own stages, on the inputs as they are
             st = nonfinite.finite_kept(saved, [tensors[names.index(n)] for n in module.INPUTS])
         grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, st, residual,
@@ -257,20 +257,21 @@ def reads_inputs(mixer_ir, module, K, saved) -> bool:
             and not mixer_ir.aux and K <= module.STAGED_MAX_K and (saved is None or "staged" in saved))
 
 
-def finite_states(mixer_ir, module, names, checked, tensors, scale, h0, cu_seqlens, saved, residual=None):
+def finite_states(mixer_ir, module, inputs, checked, scale, h0, cu_seqlens, saved, residual=None):
     """(the staged forward's stages 1 to 3 that the backward reads, made again by the kernels' twins
-    whose loads make the inputs finite (the module's _staged_states_finite); None where the forward
-    kept them (`saved`), the inputs' flags (nonfinite.device_flags': no copy). checked: each tensor's
-    input name for the rule; residual (the forward's solve, or None) is zeroed in place where a flag
-    is set, and the stages made from it."""
-    bad = nonfinite.device_flags(mixer_ir, checked, tensors)
+    whose loads make the inputs finite (the module's _staged_states_finite) from `inputs` (as the
+    host functions take them: host_args'); None where the forward kept them (`saved`), the inputs'
+    flags (nonfinite.device_flags': no copy). checked: each input's name for the rule, in `inputs`'
+    order; residual (the forward's solve, or None) is zeroed in place where a flag is set, and the
+    stages made from it."""
+    bad = nonfinite.device_flags(mixer_ir, checked, list(inputs.values()))
     flags = [f for f in bad if f is not None]
     if residual is not None and flags:  # (in place: the caller's own)
         nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
     if saved is not None:
         return None, bad
-    inputs, h0c, cu = host_args(names, tensors, h0, cu_seqlens)
-    st = module._staged_states_finite(inputs, scale, h0c, False, cu, residual, None, keep_aux=bool(module.CHAIN_AUX))
+    st = module._staged_states_finite(inputs, scale, h0, False, cu_seqlens, residual, None,
+                                      keep_aux=bool(module.CHAIN_AUX))
     st["staged"] = True
     return st, bad
 
