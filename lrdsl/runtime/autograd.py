@@ -270,8 +270,8 @@ def finite_states(mixer_ir, module, inputs, checked, scale, h0, cu_seqlens, save
         nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
     if saved is not None:
         return None, bad
-    st = module._staged_states_finite(inputs, scale, h0, False, cu_seqlens, residual, None,
-                                      keep_aux=bool(module.CHAIN_AUX))
+    st = module._staged_states(inputs, scale, h0, False, cu_seqlens, residual, None, keep_aux=bool(module.CHAIN_AUX),
+                               finite=True)
     st["staged"] = True
     return st, bad
 
