@@ -24,12 +24,16 @@ def _finite_input(x, ptr, fill, POS: tl.constexpr, NEG: tl.constexpr):
     # x, loaded from ptr's input, with fill where the backward's finite copy of that input had it
     # (runtime/nonfinite.py): every nan, +inf with POS, -inf with NEG; fill rounded to the input's
     # dtype, as the copy stored it
-    bad = x != x
-    if POS:
-        bad = bad | (x == float("inf"))
-    if NEG:
-        bad = bad | (x == float("-inf"))
-    return tl.where(bad, tl.full([], fill, ptr.dtype.element_ty).to(x.dtype), x)
+    # (one comparison each, false at nan too)
+    if POS and NEG:
+        good = tl.abs(x) < float("inf")
+    elif POS:
+        good = x < float("inf")
+    elif NEG:
+        good = x > float("-inf")
+    else:
+        good = x == x
+    return tl.where(good, x, tl.full([], fill, ptr.dtype.element_ty).to(x.dtype))
 
 
 FINITE_LOADS = True  # the staged backward reads the inputs themselves (codegen/finite.py)
@@ -90,8 +94,8 @@ _WHOLE = re.compile(r"(\.to\([\w.]*\))?(\[[^\]]*\])?\s*$")  # what may follow a 
 
 def _wrap_loads(body: str, ptrs: dict) -> str:
     """body with every tl.load of an input pointer (ptrs: pointer -> _finite_input's arguments
-    after the pointer) made finite: `x = tl.load(p ...)` (converted, broadcast) is followed by
-    `x = _finite_input(x, p, ...)`, a load inside an expression wrapped in place."""
+    after the pointer) made finite: `x = tl.load(p ...).to(...)[...]` becomes `x = tl.load(p ...)`
+    and `x = _finite_input(x, p, ...).to(...)[...]`; a load inside an expression is wrapped in place."""
     out, pos = [], 0
     for mt in re.finditer(r"tl\.load\(", body):
         if mt.start() < pos:
@@ -104,9 +108,9 @@ def _wrap_loads(body: str, ptrs: dict) -> str:
         line_end = body.find("\n", end)
         line_end = len(body) if line_end < 0 else line_end
         lead = re.match(r"(\s*)(\w+) = $", body[line_start:mt.start()])
-        if lead and _WHOLE.match(body[end:line_end]):
+        if lead and _WHOLE.match(body[end:line_end]):  # in the input's dtype, then converted
             indent, var = lead.groups()
-            out += [body[pos:line_end], f"\n{indent}{var} = _finite_input({var}, {p}, {ptrs[p]})"]
+            out += [body[pos:end], f"\n{indent}{var} = _finite_input({var}, {p}, {ptrs[p]}){body[end:line_end].rstrip()}"]
             pos = line_end
         else:
             out += [body[pos:mt.start()], "_finite_input(", body[mt.start():end], f", {p}, {ptrs[p]})"]
