@@ -1,13 +1,15 @@
 """The staged backward's loads of the spec's inputs made finite (issues 39 and 43).
 
 runtime/nonfinite.py's device mode ran every backward on finite copies of the inputs. Here each
-load of an input in a backward kernel (and in the forward helpers those kernels call, through a
-twin of each) puts the copy's fill value in place of the entries the copy replaced, so the kernels
-read the inputs themselves: `x = tl.load(in_x ...)` then `x = _finite_input(x, in_x, fill, POS, NEG)`, with input x's fill and
-which infinities are bad decided here from the spec (nonfinite.load_rule). The forward's functions
-keep their bytes: the backward calls `<helper>_finite`, a copy of the helper with its loads so
-wrapped. A module whose backward reaches an input through anything but a plain `tl.load(in_x ...)`
-(a pointer moved first, say) is left as it was and runs on the copies (FINITE_LOADS False).
+load of an input in a backward kernel (and in the forward functions those kernels call, and in the
+forward kernels the backward launches again to make the forward's stages, through a twin of each)
+puts the copy's value in place of the entries the copy replaced, so the kernels read the inputs
+themselves: `x = tl.load(in_x ...)` then `x = _finite_input(x, in_x, fill, POS, NEG)`, input x's fill
+and which infinities are bad decided here from the spec (nonfinite.load_rule). The forward's
+functions keep their bytes: the backward calls `<name>_finite`, a copy with its loads so made, and
+_staged_states_finite launches the twins. A rewrite of the rendered text (a decision per load in
+Python, no template changed): a module whose backward reaches an input other than through a load of
+its pointer (or of a pointer made from it) is left as it was and runs on the copies (no FINITE_LOADS).
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ HELPER = '''@triton.jit
 def _finite_input(x, ptr, fill, POS: tl.constexpr, NEG: tl.constexpr):
     # x, loaded from ptr's input, with fill where the backward's finite copy of that input had it
     # (runtime/nonfinite.py): every nan, +inf with POS, -inf with NEG; fill rounded to the input's
-    # dtype, as the copy stored it
-    # (one comparison each, false at nan too)
+    # dtype, as the copy stored it (one comparison each: false at nan too)
     if POS and NEG:
         good = tl.abs(x) < float("inf")
     elif POS:
@@ -43,7 +44,7 @@ FINITE_LOADS = True  # the staged backward reads the inputs themselves (codegen/
 
 
 def rules(m: ir.Mixer) -> dict:
-    """Input or param name -> the `_finite` call's arguments after the tile (fill, POS, NEG)."""
+    """Input or param name -> _finite_input's arguments after the pointer (fill, POS, NEG) as text."""
     rs = nonfinite.resets(m)
     out = {}
     for i in (*m.inputs, *m.params):
@@ -138,8 +139,8 @@ def sanitise(text: str, backward: set, ptrs: dict) -> str:
     (`_staged_states_finite`) that launches twins of the kernels it launches (with twins of their
     autotuned wrappers). ptrs: each input pointer's name (in_<input>, and the raw operands' own
     pointer names) -> _finite_input's arguments after the tile. Raises Unsupported where a reached
-    function uses an input pointer other than as a load's address or an argument passed on, or
-    HOST launches a kernel that loads an input and has no twin."""
+    function uses an input pointer other than as a load's address, an argument passed on, a pointer
+    moved in place or the start of another pointer, and where there is no HOST."""
     blocks = _blocks(text)
     host = _host(text)
     wrappers = _TUNED.findall(text)
@@ -162,7 +163,7 @@ def sanitise(text: str, backward: set, ptrs: dict) -> str:
         if c in loaders and c not in backward and c not in twins:
             twins.add(c)
             todo += calls[c]
-    if not twins and not any(n in loaders for n in live) or host is None:
+    if host is None or not (twins or any(n in loaders for n in live)):
         raise Unsupported("no staged backward that reads an input")
     pattern = re.compile(r"\b(" + "|".join(sorted(twins, key=len, reverse=True)) + r")\(") if twins else None
 
@@ -198,7 +199,8 @@ def _host_twin(host: str, wrappers: list, twins: set) -> str:
     lines = [f"{w}_finite = triton.autotune({args})({k}_finite)" for w, args, k in wrappers if k in twins]
     names = {w for w, _, k in wrappers if k in twins} | twins
     body = re.sub(rf"^def {HOST}\(", f"def {HOST}_finite(", host, flags=re.M)
-    body = re.sub(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\[", r"\1_finite[", body)
+    if names:
+        body = re.sub(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\[", r"\1_finite[", body)
     return ("\n\n# the backward's twins of the autotuned kernels above and of _staged_states: the same\n"
             "# stages, their loads of the inputs made finite (codegen/finite.py)\n"
             + "\n".join(lines) + "\n\n\n" + body.rstrip("\n") + "\n")
