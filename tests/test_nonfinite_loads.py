@@ -32,8 +32,10 @@ ROW = 20 + 37  # inside the second sequence's first 64-token chunk
 PLANTS = {"k-nan": ("k", math.nan, True), "v-inf": ("v", math.inf, False), "beta-nan": ("beta", math.nan, True),
           "g-reset": ("g", -math.inf, True), "beta-clamped-inf": ("beta", math.inf, True),
           "q-minus-inf": ("q", -math.inf, False)}
-SPECS = ("comba", "gated_deltanet", "kda", "delta_product2")  # delta_product2: runtime/product.py's sub-tokens
-DEFAULT = {("comba", p) for p in PLANTS} | {("gated_deltanet", "v-inf"), ("kda", "k-nan"), ("delta_product2", "beta-nan")}
+# delta_product2: runtime/product.py's sub-tokens; kda_decay_after_erase: the split's staged spec
+SPECS = ("comba", "gated_deltanet", "kda", "delta_product2", "kda_decay_after_erase")
+DEFAULT = {("comba", p) for p in PLANTS} | {("gated_deltanet", "v-inf"), ("kda", "k-nan"), ("delta_product2", "beta-nan"),
+                                           ("kda_decay_after_erase", "k-nan")}
 GAINS = {"delta_product2": "b2"}  # the spec's beta (the second step's)
 # delta_product2 with one value head per key head: the sub-token kernels on each step's own tensors
 # (product.py's _StepsChunk), which grouped value heads leave for the interleaved copy
@@ -64,7 +66,7 @@ def both_paths(mixer, x, opts, do, monkeypatch):
 def matrix():
     for s in SPECS:
         for p in PLANTS:
-            if s == "kda" and p == "g-reset":
+            if s in ("kda", "kda_decay_after_erase") and p == "g-reset":
                 continue  # kda's g[K] is `log` too: the same reset, per channel
             yield pytest.param(s, p, marks=() if (s, p) in DEFAULT else pytest.mark.slow, id=f"{s}-{p}")
 
@@ -72,7 +74,7 @@ def matrix():
 @pytest.mark.parametrize("stem,planted", matrix())
 def test_gradients_are_the_copy_paths_and_the_references(stem, planted, compiled, monkeypatch):
     mixer = compiled(spec_path(stem), check_ranges=False)
-    assert (mixer.product.kernels if mixer.product else mixer.kernels).FINITE_LOADS
+    assert (mixer.product.kernels if mixer.product else mixer.split.kernels if mixer.split else mixer.kernels).FINITE_LOADS
     x, opts = draw_inputs(mixer, CASES.get(stem, CASE), DEVICE)
     steps = []
     monkeypatch.setattr(product, "_run_per_step", lambda *a, real=product._run_per_step: steps.append(1) or real(*a))

@@ -27,9 +27,10 @@ Since 2026-12-07 (issues 39 and 43) the staged backward of a module with FINITE_
 takes no copy: device_flags' read-only pass sets the flags, and every load of an input in its kernels,
 in the chain rule and in the twins of the forward's kernels that make its stages again
 (_staged_states_finite) puts the copy's value in place (load_rule: the same _fill and _bad_ends).
-The rest keep the copies: the general kernels (K past the staged ones, their keep_intermediates),
-specs with auxiliary states (their scans in PyTorch read the inputs), the split, the value side,
-two-sided and offline-solve kernels, and every backward with FINITE_AT_LOAD False.
+The split's staged spec and a product's sub-mixer do too. The rest keep the copies: the general
+kernels (K past the staged ones, their keep_intermediates), specs with auxiliary states (their scans
+in PyTorch read the inputs), the value side, two-sided and offline-solve kernels, and every backward
+with FINITE_AT_LOAD False.
 """
 from __future__ import annotations
 
