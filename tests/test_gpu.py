@@ -480,6 +480,49 @@ def test_nonfinite_causal_gpu(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["comba", "gated_deltanet", "kda", "delta_product2"])
+def test_finite_loads_gpu(name, monkeypatch):
+    """bf16 inputs with a nan key row at token 421 of sequence 0, an inf value entry at token 512 of
+    sequence 1 and a -inf log-decay (a reset) at token 300 of sequence 1: the staged backward that
+    reads the inputs itself (codegen/finite.py) makes no finite copy and gives the copy path's
+    gradients (nonfinite.FINITE_AT_LOAD = False), nan at the same entries
+    (tests/test_nonfinite_loads.py on the CPU)."""
+    from lrdsl.runtime import nonfinite
+    mixer = lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", name + ".lr"), check_ranges=False)
+    B, T, H, K, V = 2, 1000, 2, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = draw(mixer, B, T, H, H, K, V, torch.bfloat16, "cuda", gen)
+    x["k"][0, 421] = float("nan")
+    x["v"][1, 512, 1, 7] = float("inf")
+    x["g"][1, 300] = -float("inf")
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=torch.float32)
+
+    def grads(at_load):
+        monkeypatch.setattr(nonfinite, "FINITE_AT_LOAD", at_load)
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o, _ = mixer.chunk(**leaves)
+        (torch.nan_to_num(o.float(), nan=0.0, posinf=0.0, neginf=0.0) * do).sum().backward()
+        return {n: t.grad for n, t in leaves.items()}
+
+    old = grads(False)
+    copies = nonfinite.device_copies
+    monkeypatch.setattr(nonfinite, "device_copies", lambda *a: pytest.fail("a finite copy was made"))
+    new = grads(True)
+    monkeypatch.setattr(nonfinite, "device_copies", copies)
+    errs = {}
+    for n in old:
+        assert torch.equal(torch.isnan(new[n]), torch.isnan(old[n])), (n, "nan at other entries")
+        f = torch.isfinite(old[n])
+        assert torch.equal(f, torch.isfinite(new[n])) and f.any(), (n, "inf at other entries")
+        errs[n] = rms_ratio(new[n][f].float(), old[n][f].float())
+    assert torch.isnan(new["k"][0, 421]).all() and torch.isnan(new["v"][1, 512, 1, 7])
+    RESULTS.append((name, "finite loads", max(errs[n] for n in ("q", "k", "v")),
+                    max(e for n, e in errs.items() if n not in ("q", "k", "v"))))
+    for n, e in errs.items():
+        assert e < 1e-3, (n, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
 @pytest.mark.parametrize("name", ["gated_deltanet", "kda", "gdn2_atk", "kda_decay_after_erase", "gated_deltanet-general",
                                   "mesa"])
 def test_nonfinite_backward_gpu(name, monkeypatch):

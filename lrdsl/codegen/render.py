@@ -7,7 +7,7 @@ from importlib import resources
 
 import jinja2
 
-from lrdsl.codegen import schedule, value_side
+from lrdsl.codegen import finite, schedule, value_side
 from lrdsl.codegen.plan import Plan
 
 
@@ -23,8 +23,30 @@ def _env() -> jinja2.Environment:
                               autoescape=False)
 
 
-def render(plan: Plan, version: str) -> str:
-    return _render("module.py.jinja", plan=plan, schedule=schedule, value_side=value_side, version=version)
+def render(plan: Plan, version: str, finite_rules: dict | None = None) -> str:
+    """The module; with finite_rules (codegen/finite.py's rules) the staged backward's loads of the
+    inputs made finite (finite.sanitise) where it can."""
+    text = _render("module.py.jinja", plan=plan, schedule=schedule, value_side=value_side, version=version)
+    if finite_rules is None or not plan.staged_backward:
+        return text
+    backward = backward_functions(plan, version)
+    ptrs = {"in_" + n: rule for n, rule in finite_rules.items()}
+    for alias, raw in (("rq_ptr", plan.raw_query), ("rk_ptr", plan.raw_key)):
+        if raw is not None:
+            ptrs[alias] = finite_rules[raw.ptr[3:]]
+    try:
+        return finite.sanitise(text, backward, ptrs)
+    except finite.Unsupported:
+        return text
+
+
+def backward_functions(plan: Plan, version: str) -> set:
+    """The names of the functions the staged backward's templates define (codegen/finite.py)."""
+    out = set()
+    for t in schedule.backward_templates(plan):
+        part = _render(t, plan=plan, schedule=schedule, value_side=value_side, version=version)
+        out |= set(re.findall(r"^def (\w+)\(", part, re.M))
+    return out
 
 
 def render_solve(solve, version: str) -> str:

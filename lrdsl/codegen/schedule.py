@@ -412,6 +412,12 @@ def kernel_templates(plan: Plan) -> tuple:
     return tuple(dict.fromkeys(out))
 
 
+def backward_templates(plan: Plan) -> tuple:
+    """The templates of the staged backward's kernels and chain rule (codegen/finite.py makes their
+    loads of the inputs finite)."""
+    return _staged_backward(plan) + (("chain_rule.py.jinja",) if plan.staged and plan.chain is not None else ())
+
+
 def forward(plan: Plan) -> tuple:
     """The staged forward's launches (plan.staged), in the order its host functions make them:
     the solve (with plan.solve_wy_fused the solve and WY stages in one), the inverse

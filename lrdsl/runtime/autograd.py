@@ -216,6 +216,16 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     Inputs with non-finite entries: the backward of their finite copies (runtime/nonfinite.py), nan
     at those entries. residual_owned: no one but this backward reads `residual` (ChunkFunction's; the
     custom op's is an output of its forward), so it may be changed in place."""
+    if nonfinite.MODE == "device" and reads_inputs(mixer_ir, module, batch.K, saved):
+        if residual is not None and not (residual_owned and residual.is_contiguous()):
+            residual = residual.contiguous().clone()
+        inputs, h0c, cu = host_args(names, tensors, h0, batch.cu_seqlens)
+        st, bad = finite_states(mixer_ir, module, inputs, names, batch.scale, h0c, cu, saved, residual)
+        if st is None:  # the forward's own stages, on the inputs as they are
+            st = nonfinite.finite_kept(saved, [tensors[names.index(n)] for n in module.INPUTS])
+        grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, st, residual,
+                                        initial_aux, dfinal_aux)
+        return nonfinite.device_nan_at(mixer_ir, names, tensors, grads, bad), dh0, daux
     if nonfinite.MODE == "device":  # no wait for the device (runtime/nonfinite.py)
         finite, bad = nonfinite.device_copies(mixer_ir, names, tensors)
         by_name = dict(zip(names, finite))
@@ -237,6 +247,33 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
     grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, finite, h0, do, dht, needs, None, None,
                                     initial_aux, dfinal_aux)
     return nonfinite.nan_at(grads, masks), dh0, daux
+
+
+def reads_inputs(mixer_ir, module, K, saved) -> bool:
+    """Whether this backward runs the staged kernels whose loads make the inputs finite themselves
+    (codegen/finite.py: the module's FINITE_LOADS) and the generated chain rule, with no auxiliary
+    state (their PyTorch scans would read the inputs): no finite copies for them."""
+    return (nonfinite.FINITE_AT_LOAD and getattr(module, "FINITE_LOADS", False) and module.HAS_CHAIN_RULE
+            and not mixer_ir.aux and K <= module.STAGED_MAX_K and (saved is None or "staged" in saved))
+
+
+def finite_states(mixer_ir, module, inputs, checked, scale, h0, cu_seqlens, saved, residual=None):
+    """(the staged forward's stages 1 to 3 that the backward reads, made again by the kernels' twins
+    whose loads make the inputs finite (the module's _staged_states_finite) from `inputs` (as the
+    host functions take them: host_args'); None where the forward kept them (`saved`), the inputs'
+    flags (nonfinite.device_flags': no copy). checked: each input's name for the rule, in `inputs`'
+    order; residual (the forward's solve, or None) is zeroed in place where a flag is set, and the
+    stages made from it."""
+    bad = nonfinite.device_flags(mixer_ir, checked, list(inputs.values()))
+    flags = [f for f in bad if f is not None]
+    if residual is not None and flags:  # (in place: the caller's own)
+        nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
+    if saved is not None:
+        return None, bad
+    st = module._staged_states(inputs, scale, h0, False, cu_seqlens, residual, None, keep_aux=bool(module.CHAIN_AUX),
+                               finite=True)
+    st["staged"] = True
+    return st, bad
 
 
 def _input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, saved, residual, initial_aux,

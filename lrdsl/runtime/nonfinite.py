@@ -22,6 +22,15 @@ the device: a training step can be captured in a CUDA graph, and the host queues
 the forward runs. "host": one reduction per input and one wait for
 the device per backward; only a batch with a bad entry pays for the masks and copies, and it recomputes
 what the forward kept (the behaviour before 2026-12-06).
+
+Since 2026-12-07 (issues 39 and 43) the staged backward of a module with FINITE_LOADS (codegen/finite.py)
+takes no copy: device_flags' read-only pass sets the flags, and every load of an input in its kernels,
+in the chain rule and in the twins of the forward's kernels that make its stages again
+(_staged_states_finite) puts the copy's value in place (load_rule: the same _fill and _bad_ends).
+The split's staged spec and a product's sub-mixer do too. The rest keep the copies: the general
+kernels (K past the staged ones, their keep_intermediates), specs with auxiliary states (their scans
+in PyTorch read the inputs), the value side, two-sided and offline-solve kernels, and every backward
+with FINITE_AT_LOAD False.
 """
 from __future__ import annotations
 
@@ -37,6 +46,9 @@ import triton.language as tl
 from lrdsl.frontend.ir import log_of
 
 MODE = "device"  # "device": no host synchronisation; "host": a check read back once per backward
+# device mode, a module whose staged backward makes its loads of the inputs finite (codegen/finite.py):
+# no copies for its kernels; False: every backward on the copies, as before 2026-12-07 (tests compare)
+FINITE_AT_LOAD = True
 
 
 def _fill(i) -> float:
@@ -148,6 +160,12 @@ def _bad_ends(i, reset: bool) -> tuple:
     return not (clamped and i.hi.is_finite), not (clamped and i.lo.is_finite) and not reset
 
 
+def load_rule(i, reset: bool) -> tuple:
+    """(fill, +inf is bad, -inf is bad) of input i: the finite copy's rule, which the staged backward's
+    loads apply themselves (codegen/finite.py)."""
+    return (_fill(i), *_bad_ends(i, reset))
+
+
 def device_copies(mixer_ir, names, tensors) -> tuple:
     """(the inputs with every bad entry replaced by a finite value in range, a 0-dim int32 flag per
     input on the device, 1 where it has a nan or an infinite entry (None for one not floating
@@ -175,7 +193,36 @@ def device_copies(mixer_ir, names, tensors) -> tuple:
     return out, flags_
 
 
+def device_flags(mixer_ir, names, tensors) -> list:
+    """device_copies' flags alone: one read-only pass over each input, no copy (the staged backward
+    whose loads make the inputs finite themselves, codegen/finite.py)."""
+    spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
+    live = [j for j, (n, t) in enumerate(zip(names, tensors)) if n in spec and t.is_floating_point()]
+    if not live:
+        return [None] * len(tensors)
+    buf = torch.zeros(len(live), dtype=torch.int32, device=tensors[live[0]].device)
+    flags_ = [None] * len(tensors)
+    for slot, j in enumerate(live):
+        t = tensors[j]
+        flags_[j] = buf[slot]
+        if t.dtype == torch.float64 or not t.numel():
+            buf[slot] = _maybe_bad(t).to(torch.int32)
+            continue
+        x = t.detach().contiguous()
+        _flag_kernel[_launch_blocks(x.numel())](x, buf, slot, x.numel(), BLOCK=BLOCK)
+    return flags_
+
+
 BLOCK = 1024  # elements per program of the kernels below
+
+
+@triton.jit
+def _flag_kernel(x_ptr, flags_ptr, slot, n, BLOCK: tl.constexpr):
+    # flags[slot] = 1 where x has a nan or an infinite entry (_finite_copy_kernel's flag, no copy)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    if tl.max(((x != x) | (x == float("inf")) | (x == float("-inf"))).to(tl.int32), 0) > 0:
+        tl.atomic_max(flags_ptr + slot, 1)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 from lrdsl.codegen import product as cp
 from lrdsl.frontend import ir
 from lrdsl.runtime import nonfinite
-from lrdsl.runtime.autograd import eager
+from lrdsl.runtime.autograd import eager, finite_states, reads_inputs
 from lrdsl.runtime.reference import l2norm, to_torch
 
 
@@ -242,14 +242,20 @@ class _StepsChunk(torch.autograd.Function):
         tensors = list(ctx.saved_tensors)
         if do is None:
             do = torch.zeros_like(tensors[2])
-        # the backward on finite copies, nan at each bad entry (runtime/nonfinite.py's device mode);
-        # the residual is this backward's alone: zeroed in place where an input is bad
-        finite, bad = nonfinite.device_copies(sub, checked, tensors)
-        flags = [f for f in bad if f is not None]
-        if residual is not None and flags:
-            residual = nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
-        inputs = dict(zip(names, finite))
-        vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do, dht, cu, None, residual)
+        # nan at each bad entry (runtime/nonfinite.py's device mode): the kernels read the inputs
+        # and make them finite as they load them (codegen/finite.py), else run on finite copies; the
+        # residual is this backward's alone: zeroed in place where an input is bad
+        st = None
+        if reads_inputs(sub, module, tensors[0].shape[-1], None):
+            inputs = dict(zip(names, tensors))
+            st, bad = finite_states(sub, module, inputs, checked, scale, h0, cu, None, residual)
+        else:
+            finite, bad = nonfinite.device_copies(sub, checked, tensors)
+            flags = [f for f in bad if f is not None]
+            if residual is not None and flags:
+                residual = nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
+            inputs = dict(zip(names, finite))
+        vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do, dht, cu, st, residual)
         g = module.chain_rule(inputs, scale, vgrads)
 
         def grad(x):  # "k:j" (step j's key) is slice j of the keys' [n, ...] gradient, "k" slice 0
