@@ -5,7 +5,7 @@ load of an input in a backward kernel (and in the forward functions those kernel
 forward kernels the backward launches again to make the forward's stages, through a twin of each)
 puts the copy's value in place of the entries the copy replaced, so the kernels read the inputs
 themselves: `x = tl.load(in_x ...)` then `x = _finite_input(x, in_x, fill, POS, NEG)`, input x's fill
-and which infinities are bad decided here from the spec (nonfinite.load_rule). The forward's
+and which infinities are bad decided here from the spec (fills.load_rule). The forward's
 functions keep their bytes: the backward calls `<name>_finite`, a copy with its loads so made, and
 _staged_states_finite launches the twins. A rewrite of the rendered text (a decision per load in
 Python, no template changed): a module whose backward reaches an input other than through a load of
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 
+from lrdsl.codegen import fills
 from lrdsl.frontend import ir
-from lrdsl.runtime import nonfinite
 
 _DEF = re.compile(r"^@triton\.jit(?:\(.*\))?\ndef (\w+)\(", re.M)
 _TOP = re.compile(r"^(?=[@A-Za-z_#])", re.M)  # a line that starts a new top-level statement
@@ -45,10 +45,10 @@ FINITE_LOADS = True  # the staged backward reads the inputs themselves (codegen/
 
 def rules(m: ir.Mixer) -> dict:
     """Input or param name -> _finite_input's arguments after the pointer (fill, POS, NEG) as text."""
-    rs = nonfinite.resets(m)
+    rs = fills.resets(m)
     out = {}
     for i in (*m.inputs, *m.params):
-        fill, pos, neg = nonfinite.load_rule(i, i.name in rs)
+        fill, pos, neg = fills.load_rule(i, i.name in rs)
         out[i.name] = f"{fill!r}, {pos}, {neg}"
     return out
 

@@ -26,7 +26,7 @@ what the forward kept (the behaviour before 2026-12-06).
 Since 2026-12-07 (issues 39 and 43) the staged backward of a module with FINITE_LOADS (codegen/finite.py)
 takes no copy: device_flags' read-only pass sets the flags, and every load of an input in its kernels,
 in the chain rule and in the twins of the forward's kernels that make its stages again
-(_staged_states_finite) puts the copy's value in place (load_rule: the same _fill and _bad_ends).
+(_staged_states_finite) puts the copy's value in place (codegen/fills.py: the copies' rule, decided once from the spec).
 The split's staged spec and a product's sub-mixer do too. The rest keep the copies: the general
 kernels (K past the staged ones, their keep_intermediates), specs with auxiliary states (their scans
 in PyTorch read the inputs), the value side, two-sided and offline-solve kernels, and every backward
@@ -34,16 +34,13 @@ with FINITE_AT_LOAD False.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
-import sympy as sp
 import torch
 import triton
 import triton.language as tl
 
-from lrdsl.frontend.ir import log_of
+from lrdsl.codegen.fills import bad_ends, fill_value, resets
 
 MODE = "device"  # "device": no host synchronisation; "host": a check read back once per backward
 # device mode, a module whose staged backward makes its loads of the inputs finite (codegen/finite.py):
@@ -51,65 +48,11 @@ MODE = "device"  # "device": no host synchronisation; "host": a check read back 
 FINITE_AT_LOAD = True
 
 
-def _fill(i) -> float:
-    """A finite value inside input i's declared range (not at an open end: the offline solve's
-    regulariser is refused there)."""
-    lo = float(i.lo) if i.lo.is_finite else -math.inf
-    hi = float(i.hi) if i.hi.is_finite else math.inf
-    if math.isfinite(lo) and math.isfinite(hi):
-        return (lo + hi) / 2
-    if math.isfinite(lo):
-        return lo + 1.0
-    if math.isfinite(hi):
-        return hi - 1.0
-    return 0.0
-
-
-@functools.lru_cache(maxsize=256)  # a sympy pass (~0.1 ms) that every backward would repeat
-def resets(mixer_ir) -> frozenset:
-    """The inputs whose -inf is a reset, not a bad entry: every `log` input, and every input that is
-    a per-token log-decay itself, whatever its declared range, and enters nothing else: the state's
-    (`exp(g)`, `diag(exp(w))`) or an auxiliary state's of one number per head (`p = exp(g) p + ...`).
-    The chunked kernels floor those log-decays (plan._floored, plan._aux_log_decay) and the chain
-    rule gives them a zero gradient below the floor, as the reference's exp(-inf) = 0 has it; a
-    finite fill in its place would be a decay near 1 instead of 0, and the gradients finite wrong
-    numbers. (Elsewhere, `g k v^T` say, -inf is a non-finite input as any other.)"""
-    m = mixer_ir
-    kinds = m.kinds()
-    decays, rest = [], []
-    if m.decay.kind in ("scalar", "diagonal"):
-        decays.append(m.log_decay())
-    else:
-        rest.append(m.decay)
-    for a in m.aux:
-        if all(kinds[s.name] == "scalar" for s in m.inline_lets(a.decay).free_symbols):
-            decays.append(log_of(m.inline_lets(a.decay)))
-        else:
-            rest.append(a.decay)
-        rest.append(a.write)
-    rest += [getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("inputs", "params", "aux", "lets", "decay")]
-    used = set().union(*(m.inline_lets(e).free_symbols for e in _exprs(rest)))
-    return frozenset(i.name for i in m.inputs
-                     if i.log or (i.symbol not in used and any(m.inline_lets(d) == i.symbol for d in decays)))
-
-
-def _exprs(x):
-    """Every sympy expression inside x (dataclasses, tuples and lists of them, or expressions)."""
-    if isinstance(x, sp.Basic):
-        yield x
-    elif dataclasses.is_dataclass(x):
-        for f in dataclasses.fields(x):
-            yield from _exprs(getattr(x, f.name))
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _exprs(y)
-
-
 def _bad(i, x: torch.Tensor, reset: bool) -> torch.Tensor:
     """Where the kernels take x as non-finite: nan; +inf or -inf where no clamp into the declared
     range makes it finite (-inf in a log-decay is a reset (`reset`: resets'), floored by the chunked
     kernels)."""
-    pos, neg = _bad_ends(i, reset)
+    pos, neg = bad_ends(i, reset)
     bad = torch.isnan(x)
     if pos:
         bad |= torch.isposinf(x)
@@ -144,26 +87,13 @@ def bad_entries(mixer_ir, names, tensors) -> list | None:
 def finite_copies(mixer_ir, names, tensors, masks) -> list:
     """The inputs with every bad entry (masks: bad_entries') replaced by a finite value in range."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
-    return [t if m is None else torch.where(m, torch.full((), _fill(spec[n]), dtype=t.dtype, device=t.device), t)
+    return [t if m is None else torch.where(m, torch.full((), fill_value(spec[n]), dtype=t.dtype, device=t.device), t)
             for n, t, m in zip(names, tensors, masks)]
 
 
 def nan_at(grads, masks) -> list:
     """The inputs' gradients (None where not asked for) with nan at each bad entry."""
     return [g if g is None or m is None else g.masked_fill(m, math.nan) for g, m in zip(grads, masks)]
-
-
-def _bad_ends(i, reset: bool) -> tuple:
-    """(+inf is bad, -inf is bad) for input i: a clamp into a finite end makes that infinity finite,
-    and -inf in a log-decay is a reset (`reset`: i is one of resets')."""
-    clamped = i.clamped
-    return not (clamped and i.hi.is_finite), not (clamped and i.lo.is_finite) and not reset
-
-
-def load_rule(i, reset: bool) -> tuple:
-    """(fill, +inf is bad, -inf is bad) of input i: the finite copy's rule, which the staged backward's
-    loads apply themselves (codegen/finite.py)."""
-    return (_fill(i), *_bad_ends(i, reset))
 
 
 def device_copies(mixer_ir, names, tensors) -> tuple:
@@ -179,8 +109,8 @@ def device_copies(mixer_ir, names, tensors) -> tuple:
     out, flags_ = list(tensors), [None] * len(tensors)
     for slot, j in enumerate(live):
         t, i = tensors[j], spec[names[j]]
-        fill = _fill(i)
-        pos, neg = _bad_ends(i, names[j] in rs)
+        fill = fill_value(i)
+        pos, neg = bad_ends(i, names[j] in rs)
         flags_[j] = buf[slot]
         if t.dtype == torch.float64 or not t.numel():  # (the kernel computes in fp32)
             out[j] = torch.nan_to_num(t, nan=fill, posinf=fill if pos else math.inf, neginf=fill if neg else -math.inf)
@@ -289,7 +219,7 @@ def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
         if g is None or n not in spec or f is None:
             out.append(g)
             continue
-        pos, neg = _bad_ends(spec[n], n in rs)
+        pos, neg = bad_ends(spec[n], n in rs)
         if g.shape != t.shape or not g.is_contiguous() or not g.numel():
             out.append(g.masked_fill(_bad(spec[n], t, n in rs), math.nan))
             continue
