@@ -38,7 +38,7 @@ DEFAULT = {("comba", p) for p in PLANTS} | {("gated_deltanet", "v-inf"), ("kda",
                                            ("kda_decay_after_erase", "k-nan")}
 GAINS = {"delta_product2": "b2"}  # the spec's beta (the second step's)
 # delta_product2 with one value head per key head: the sub-token kernels on each step's own tensors
-# (product.py's _StepsChunk), which grouped value heads leave for the interleaved copy
+# (runtime/sub_chunk.py's SubTokenChunk), which grouped value heads leave for the interleaved copy
 CASES = {"delta_product2": Case(B=1, T=90, H=2, HV=2, K=16, V=16, cu_seqlens=(0, 20, 90), initial_state=True, seed=4)}
 
 
@@ -139,6 +139,25 @@ def test_no_copies(compiled, monkeypatch):
     kept = compiled(spec_path("comba"), check_ranges=False, keep_intermediates=True)
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     o, _ = kept.chunk(**leaves, **opts)
+    torch.nan_to_num(o).sum().backward()
+    assert torch.isnan(leaves["k"].grad[0, ROW]).all() and torch.isfinite(leaves["k"].grad[0, :ROW]).all()
+
+
+@pytest.mark.parametrize("stem", ["rwkv7", "delta_product2"])
+def test_sub_token_routes_make_no_copies(stem, compiled, monkeypatch):
+    """The split read in place and a product's steps read in place (runtime/sub_chunk.py) take the
+    inputs themselves too: no interleaved copy, no finite copy; a planted nan's gradient is nan and
+    the rows before it finite."""
+    from lrdsl.codegen import split as codegen_split
+    monkeypatch.setattr(nonfinite, "device_copies", lambda *a: pytest.fail("a finite copy was made"))
+    monkeypatch.setattr(codegen_split, "interleave", lambda t: pytest.fail("the split interleaved"))
+    monkeypatch.setattr(product, "sub_inputs", lambda *a: pytest.fail("the product interleaved"))
+    mixer = compiled(spec_path(stem), check_ranges=False)
+    case = CASES.get(stem, Case(B=1, T=90, H=2, HV=2, K=16, V=16, cu_seqlens=(0, 20, 90), initial_state=True, seed=7))
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    x = plant(x, "k", math.nan, True)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, _ = mixer.chunk(**leaves, **opts)
     torch.nan_to_num(o).sum().backward()
     assert torch.isnan(leaves["k"].grad[0, ROW]).all() and torch.isfinite(leaves["k"].grad[0, :ROW]).all()
 

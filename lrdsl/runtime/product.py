@@ -15,8 +15,9 @@ import torch
 from lrdsl.codegen import product as cp
 from lrdsl.frontend import ir
 from lrdsl.runtime import nonfinite
-from lrdsl.runtime.autograd import eager, finite_states, reads_inputs
+from lrdsl.runtime.autograd import eager
 from lrdsl.runtime.reference import l2norm, to_torch
+from lrdsl.runtime.sub_chunk import SubTokenChunk
 
 
 @dataclass(frozen=True)
@@ -218,54 +219,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if inner and outer else x.contiguous()
 
 
-class _StepsChunk(torch.autograd.Function):
-    """The direct sub-mixer's staged chunk on _per_step's tensors, forward and backward: the kernels
-    store o of each token's last sub-token and read dO there alone (plan.sub_out); the keys' and
-    values' gradients come as one [n, ...] tensor each, step j's its slice j (no copy), the query's
-    at its token."""
-
-    @staticmethod
-    def forward(ctx, mixer, names, checked, scale, cu, output_final_state, h0, *tensors):
-        module = mixer.product.kernels
-        h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
-        r = module.chunk_fwd(dict(zip(names, tensors)), scale, h0c, output_final_state, cu)
-        ctx.save_for_backward(*tensors)
-        ctx.info = (mixer, names, checked, scale, cu, h0c, None if h0 is None else h0.dtype, r.residual)
-        ctx.set_materialize_grads(False)
-        return r.o, r.final_state
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dht):
-        mixer, names, checked, scale, cu, h0, h0_dtype, residual = ctx.info
-        module, sub = mixer.product.kernels, mixer.product.ir
-        tensors = list(ctx.saved_tensors)
-        if do is None:
-            do = torch.zeros_like(tensors[2])
-        # nan at each bad entry (runtime/nonfinite.py's device mode): the kernels read the inputs
-        # and make them finite as they load them (codegen/finite.py), else run on finite copies; the
-        # residual is this backward's alone: zeroed in place where an input is bad
-        st = None
-        if reads_inputs(sub, module, tensors[0].shape[-1], None):
-            inputs = dict(zip(names, tensors))
-            st, bad = finite_states(sub, module, inputs, checked, scale, h0, cu, None, residual)
-        else:
-            finite, bad = nonfinite.device_copies(sub, checked, tensors)
-            flags = [f for f in bad if f is not None]
-            if residual is not None and flags:
-                residual = nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
-            inputs = dict(zip(names, finite))
-        vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do, dht, cu, st, residual)
-        g = module.chain_rule(inputs, scale, vgrads)
-
-        def grad(x):  # "k:j" (step j's key) is slice j of the keys' [n, ...] gradient, "k" slice 0
-            name, _, j = x.partition(":")
-            return g[name][int(j or 0)] if name in (cp.C, cp.Z) else g[name]
-        grads = [grad(x) for x in names]
-        grads = nonfinite.device_nan_at(sub, checked, tensors, grads, bad)
-        grads = [gr if need else None for gr, need in zip(grads, ctx.needs_input_grad[7:])]
-        dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[6] else None
-        return (None, None, None, None, None, None, dh0, *grads)
+def _pick(g, x):
+    """The gradient of the kernels' input x: "k:j" (step j's key) is slice j of the keys' [n, ...]
+    gradient, "k" slice 0; the query's at its token (runtime/sub_chunk.py)."""
+    name, _, j = x.partition(":")
+    return g[name][int(j or 0)] if name in (cp.C, cp.Z) else g[name]
 
 
 def _run_per_step(mixer, batch, per_step):
@@ -273,8 +231,8 @@ def _run_per_step(mixer, batch, per_step):
     n = mixer.ir.n_steps
     scale = batch.scale if batch.scale is not None else batch.K ** -0.5
     cu = None if batch.cu_seqlens is None else (batch.cu_seqlens * n).to(torch.int64).contiguous()
-    o, final = _StepsChunk.apply(mixer, names, checked, float(scale), cu, batch.output_final_state,
-                                 batch.initial_state, *tensors)
+    o, final = SubTokenChunk.apply(mixer.product, _pick, names, checked, float(scale), cu, batch.output_final_state,
+                                   batch.initial_state, *tensors)
     return o, final
 
 

@@ -10,6 +10,7 @@ import torch
 from lrdsl.runtime import nonfinite
 from lrdsl.runtime.autograd import eager
 from lrdsl.runtime.product import _rows
+from lrdsl.runtime.sub_chunk import SubTokenChunk
 
 
 def in_place(mixer, batch):
@@ -42,48 +43,14 @@ def in_place(mixer, batch):
     return names, checked, tensors
 
 
-class _SplitChunk(torch.autograd.Function):
-    """The split mixer's staged chunk on in_place's tensors, forward and backward."""
-
-    @staticmethod
-    def forward(ctx, mixer, names, checked, scale, cu, output_final_state, h0, *tensors):
-        module = mixer.split.kernels
-        h0c = h0.to(torch.float32).contiguous() if h0 is not None else None
-        r = module.chunk_fwd(dict(zip(names, tensors)), scale, h0c, output_final_state, cu)
-        ctx.save_for_backward(*tensors)
-        ctx.info = (mixer, names, checked, scale, cu, h0c, None if h0 is None else h0.dtype, r.residual)
-        ctx.set_materialize_grads(False)
-        return r.o, r.final_state
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dht):
-        mixer, names, checked, scale, cu, h0, h0_dtype, residual = ctx.info
-        module, sub = mixer.split.kernels, mixer.split.ir
-        tensors = list(ctx.saved_tensors)
-        if do is None:
-            do = torch.zeros_like(tensors[names.index("v")])
-        # the backward on finite copies of the T-token inputs, nan at each bad entry
-        # (runtime/nonfinite.py's device mode); the residual is this backward's alone
-        finite, bad = nonfinite.device_copies(sub, checked, tensors)
-        flags = [f for f in bad if f is not None]
-        if residual is not None and flags:
-            residual = nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
-        inputs = dict(zip(names, finite))
-        vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do, dht, cu, None, residual)
-        g = module.chain_rule(inputs, scale, vgrads)
-        phase = sub.split_phase
-        grads = [None if n.split(":")[0] == phase else g[n] for n in names]
-        grads = nonfinite.device_nan_at(sub, checked, tensors, grads, bad)
-        grads = [gr if need else None for gr, need in zip(grads, ctx.needs_input_grad[7:])]
-        dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[6] else None
-        return (None, None, None, None, None, None, dh0, *grads)
-
-
 def run(mixer, batch, route):
     """chunk through the split on in_place's route: (o [B, T, HV, V], the final state or None)."""
     names, checked, tensors = route
     scale = batch.scale if batch.scale is not None else batch.K ** -0.5
     cu = None if batch.cu_seqlens is None else (batch.cu_seqlens * 2).to(torch.int64).contiguous()
-    return _SplitChunk.apply(mixer, names, checked, float(scale), cu, batch.output_final_state,
-                             batch.initial_state, *tensors)
+    phase = mixer.split.ir.split_phase
+
+    def pick(g, x):  # the phase is no input of the caller's: no gradient
+        return None if x.split(":")[0] == phase else g[x]
+    return SubTokenChunk.apply(mixer.split, pick, names, checked, float(scale), cu, batch.output_final_state,
+                               batch.initial_state, *tensors)
