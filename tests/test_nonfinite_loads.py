@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from test_nonfinite import spec_path
+from test_nonfinite import spec_path, spoil
 from test_nonfinite_backward import gradients
 from test_recurrent import DEVICE
 
@@ -44,14 +44,7 @@ CASES = {"delta_product2": Case(B=1, T=90, H=2, HV=2, K=16, V=16, cu_seqlens=(0,
 
 
 def plant(x, name, value, whole, row=ROW):
-    x = dict(x)
-    t = x[name].clone()
-    if whole:
-        t[0, row] = value
-    else:
-        t[0, row].view(-1)[3] = value
-    x[name] = t
-    return x
+    return spoil(x, name, value, whole, row)
 
 
 def both_paths(mixer, x, opts, do, monkeypatch):
