@@ -24,7 +24,8 @@ import sympy as sp
 
 from lrdsl.codegen.readouts import fused
 from lrdsl.codegen.texpr import code, number, var
-from lrdsl.frontend import ir, primitives
+from lrdsl.frontend import ir
+from lrdsl.frontend.primitives import inlined
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,6 @@ class Chain:
         return f"(n for n in INPUTS if n not in {self.skip})" if self.skip else "INPUTS"
 
 
-def _inline(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
-    """e over the inputs only: lets substituted (latest first), squash by its definition."""
-    return primitives.expanded(m.inline_lets(e))
-
-
 def _lower(exprs: list, prefix: str, taken: set):
     """cse over exprs: (temporaries as (variable, text), texts of the reduced expressions). The
     temporaries' names avoid every name of the spec."""
@@ -101,19 +97,19 @@ def chain(m: ir.Mixer) -> Chain | None:
         kv["lam"] = m.solve_lam
     if m.decay.kind == "diagonal":  # a key-channel vector like the others
         kv["gl"] = m.log_decay()
-    kv = {n: _inline(m, e) for n, e in kv.items()}
-    z = _inline(m, m.write.value)
-    gl = _inline(m, m.log_decay()) if m.decay.kind == "scalar" else None
+    kv = {n: inlined(m, e) for n, e in kv.items()}
+    z = inlined(m, m.write.value)
+    gl = inlined(m, m.log_decay()) if m.decay.kind == "scalar" else None
     syms = [ir.symbol(a.name) for a in m.aux]
     if any(s in e.free_symbols for s in syms for e in [z, *([gl] if gl is not None else []),
-                                                         *(_inline(m, a.decay) for a in m.aux),
-                                                         *(_inline(m, a.write) for a in m.aux)]):
+                                                         *(inlined(m, a.decay) for a in m.aux),
+                                                         *(inlined(m, a.write) for a in m.aux)]):
         return None
     # the state's own derivatives, while the vectors are the ones P reaches; then its write and decay
     p_parts = [[(n, d) for n, d in ((n, sp.diff(e, s)) for n, e in kv.items()) if d != 0] for s in syms]
     for a in m.aux:
-        kv["aw_" + a.name] = _inline(m, a.write)
-        kv["ad_" + a.name] = _inline(m, a.decay)
+        kv["aw_" + a.name] = inlined(m, a.write)
+        kv["ad_" + a.name] = inlined(m, a.decay)
     # every derivative, per input: key-channel ones (and the log-decay's), value-channel ones
     k_parts, v_parts = [], []
     skip = (m.split_phase,) if m.split_phase else ()

@@ -30,7 +30,7 @@ import dataclasses
 import sympy as sp
 
 from lrdsl.frontend import ir
-from lrdsl.frontend.primitives import gate
+from lrdsl.frontend.primitives import gate, inlined
 from lrdsl.frontend.symbolic import simplified
 
 
@@ -94,12 +94,11 @@ def grad_phases(m: ir.Mixer) -> tuple:
     there alone, so r's gradient is zero in phase 0) by the input, with the phase substituted,
     simplifies to 0 (sympy). rwkv7: q, k, v in phase 1, w, kk, a in phase 0; kda_decay_after_erase's
     k and beta have both."""
-    from lrdsl.codegen.chain import _inline
     p = ir.symbol(m.split_phase)
     vectors = [m.write.key, m.write.value] + ([m.delta.c] if m.delta is not None else [])
     vectors += [m.log_decay()] if m.decay.kind != "identity" else []
-    vectors = [_inline(m, e) for e in vectors]
-    query = _inline(m, m.query)
+    vectors = [inlined(m, e) for e in vectors]
+    query = inlined(m, m.query)
     out = []
     for i in m.inputs:
         if i.name == m.split_phase:

@@ -272,5 +272,10 @@ def expanded(e: sp.Expr) -> sp.Expr:
     return sp.sympify(e).replace(lambda x: (of(x) or TABLE[0]).expand is not None, lambda x: of(x).expand(x))
 
 
+def inlined(m: ir.Mixer, e: sp.Expr) -> sp.Expr:
+    """e over m's inputs only: lets substituted (latest first), squash by its definition."""
+    return expanded(m.inline_lets(e))
+
+
 # the numpy functions of the classes defined here, by name, for sympy.lambdify (the checker's witnesses)
 NUMPY = {p.cls.__name__: p.numpy for p in TABLE if p.numpy is not None}
