@@ -14,10 +14,9 @@ import torch
 
 from lrdsl.codegen import product as cp
 from lrdsl.frontend import ir
-from lrdsl.runtime import nonfinite
+from lrdsl.runtime import nonfinite, sub_chunk
 from lrdsl.runtime.autograd import eager
 from lrdsl.runtime.reference import l2norm, to_torch
-from lrdsl.runtime.sub_chunk import SubTokenChunk
 
 
 @dataclass(frozen=True)
@@ -226,16 +225,6 @@ def _pick(g, x):
     return g[name][int(j or 0)] if name in (cp.C, cp.Z) else g[name]
 
 
-def _run_per_step(mixer, batch, per_step):
-    names, checked, tensors = per_step
-    n = mixer.ir.n_steps
-    scale = batch.scale if batch.scale is not None else batch.K ** -0.5
-    cu = None if batch.cu_seqlens is None else (batch.cu_seqlens * n).to(torch.int64).contiguous()
-    o, final = SubTokenChunk.apply(mixer.product, _pick, names, checked, float(scale), cu, batch.output_final_state,
-                                   batch.initial_state, *tensors)
-    return o, final
-
-
 def last(o: torch.Tensor, n: int) -> torch.Tensor:
     """The sub-mixer's o [B, n T, HV, V] at the last sub-token of each token."""
     return o[:, n - 1::n]
@@ -247,7 +236,7 @@ def run(mixer, method: str, batch, cp_group=None, offsets=None):
     if method == "chunk" and cp_group is None:
         per_step = _per_step(mixer, batch)
         if per_step is not None:
-            return _run_per_step(mixer, batch, per_step)
+            return sub_chunk.run(mixer.product, _pick, batch, n, per_step)
     x = sub_inputs(mixer.product_plan, batch.tensors, batch.H, batch.HV)
     q, k, v = x.pop(cp.Q), x.pop(cp.C), x.pop(cp.Z)
     opts = dict(scale=batch.scale, initial_state=batch.initial_state, output_final_state=batch.output_final_state,

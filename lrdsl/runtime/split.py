@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from lrdsl.runtime import nonfinite
+from lrdsl.runtime import nonfinite, sub_chunk
 from lrdsl.runtime.autograd import eager
 from lrdsl.runtime.product import _rows
-from lrdsl.runtime.sub_chunk import SubTokenChunk
 
 
 def in_place(mixer, batch):
@@ -45,12 +44,8 @@ def in_place(mixer, batch):
 
 def run(mixer, batch, route):
     """chunk through the split on in_place's route: (o [B, T, HV, V], the final state or None)."""
-    names, checked, tensors = route
-    scale = batch.scale if batch.scale is not None else batch.K ** -0.5
-    cu = None if batch.cu_seqlens is None else (batch.cu_seqlens * 2).to(torch.int64).contiguous()
     phase = mixer.split.ir.split_phase
 
     def pick(g, x):  # the phase is no input of the caller's: no gradient
         return None if x.split(":")[0] == phase else g[x]
-    return SubTokenChunk.apply(mixer.split, pick, names, checked, float(scale), cu, batch.output_final_state,
-                               batch.initial_state, *tensors)
+    return sub_chunk.run(mixer.split, pick, batch, 2, route)

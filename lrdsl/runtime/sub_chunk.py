@@ -53,3 +53,13 @@ class SubTokenChunk(torch.autograd.Function):
         grads = [gr if need else None for gr, need in zip(grads, ctx.needs_input_grad[8:])]
         dh0 = dh0.to(h0_dtype) if dh0 is not None and ctx.needs_input_grad[7] else None
         return (None,) * 7 + (dh0, *grads)
+
+
+def run(part, pick, batch, n: int, route):
+    """chunk of the caller's batch through part's kernels on a sub-token route (names, checked,
+    tensors), n sub-tokens per token: (o [B, T, HV, V], the final state or None)."""
+    names, checked, tensors = route
+    scale = batch.scale if batch.scale is not None else batch.K ** -0.5
+    cu = None if batch.cu_seqlens is None else (batch.cu_seqlens * n).to(torch.int64).contiguous()
+    return SubTokenChunk.apply(part, pick, names, checked, float(scale), cu, batch.output_final_state,
+                               batch.initial_state, *tensors)
