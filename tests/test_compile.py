@@ -86,13 +86,23 @@ RUNNER = textwrap.dedent('''
 ALONE_CASE = Case(B=1, T=19, H=1, HV=2, K=20, V=12, initial_state=True, scale=0.5, seed=7)
 
 
+# pytest -q runs these alone (a scalar and a per-channel decay, an auxiliary state, a value-side and a
+# two-phase spec); every example under -m slow
+ALONE_DEFAULT = {"gated_deltanet", "kda", "gdn2_atk", "oja", "rwkv7"}
+ALONE_PARAMS = [pytest.param(s, marks=() if s in ALONE_DEFAULT else pytest.mark.slow) for s in IDS]
+
+
 @pytest.fixture(scope="module")
-def standalone_results(compiled_dir, tmp_path_factory):
-    """Run every compiled module's recurrent(...) in one fresh interpreter that sees only the output
-    directory, torch and triton (cwd: an empty temporary directory)."""
+def standalone_results(compiled_dir, tmp_path_factory, request):
+    """Run the selected compiled modules' recurrent(...) in one fresh interpreter that sees only the
+    output directory, torch and triton (cwd: an empty temporary directory)."""
+    selected = {it.callspec.params["stem"] for it in request.session.items
+                if getattr(it, "originalname", None) == "test_compiled_module_runs_alone"}
     work = tmp_path_factory.mktemp("standalone")
     cases, refs = {}, {}
     for stem, (mixer, path) in compiled_dir.items():
+        if stem not in selected:
+            continue
         x, opts = draw_inputs(mixer, ALONE_CASE)
         cases[stem] = (path.stem, x, opts)
         refs[stem] = mixer.reference(**{n: t.double() for n, t in x.items()},
@@ -108,7 +118,7 @@ def standalone_results(compiled_dir, tmp_path_factory):
     return saved, refs
 
 
-@pytest.mark.parametrize("stem", IDS)
+@pytest.mark.parametrize("stem", ALONE_PARAMS)
 def test_compiled_module_runs_alone(stem, compiled_dir, standalone_results):
     saved, refs = standalone_results
     assert saved["loaded"] == [], f"the standalone run loaded {saved['loaded']}"

@@ -34,9 +34,10 @@ PLANTS = {"k-nan": ("k", math.nan, True), "v-inf": ("v", math.inf, False), "beta
           "q-minus-inf": ("q", -math.inf, False)}
 # delta_product2: runtime/product.py's sub-tokens; kda_decay_after_erase: the split's staged spec
 SPECS = ("comba", "gated_deltanet", "kda", "delta_product2", "kda_decay_after_erase")
-# by default each plant once (comba the three the others do not take); every pair under -m slow
+# by default comba's three plants that the others do not take, a key channel and a gain; every pair
+# under -m slow (the split's in-place loads by default: test_sub_token_routes_make_no_copies)
 DEFAULT = {("comba", p) for p in ("g-reset", "beta-clamped-inf", "q-minus-inf")} | {
-    ("gated_deltanet", "v-inf"), ("kda", "k-nan"), ("delta_product2", "beta-nan"), ("kda_decay_after_erase", "k-nan")}
+    ("kda", "k-nan"), ("delta_product2", "beta-nan")}
 GAINS = {"delta_product2": "b2"}  # the spec's beta (the second step's)
 # delta_product2 with one value head per key head: the sub-token kernels on each step's own tensors
 # (runtime/sub_chunk.py's SubTokenChunk), which grouped value heads leave for the interleaved copy
