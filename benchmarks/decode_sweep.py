@@ -6,7 +6,8 @@ kernel, beside FLA's fused recurrent twin, at each batch size: which setting the
 Usage (device machine): python benchmarks/decode_sweep.py [--batches 1,8,64,256] [--bv 16,32,64]
                         [--warps 1,2,4] SPEC [SPEC ...]
 The module's RECURRENT_BV and RECURRENT_WARPS are set for each row (RECURRENT_MIN_BV with them, so
-the small batches' narrowing does not undo the row's tile); the table is printed last: us per
+the small batches' narrowing does not undo the row's tile, and RECURRENT_WIDE's batch out of reach);
+a row "plan" per batch runs the module's own choice; the table is printed last: us per
 token, and FLA/lrdsl (above 1: lrdsl faster).
 """
 import sys
@@ -64,18 +65,20 @@ def main(argv) -> None:
         for spec in args:
             mixer = lrdsl.compile(spec)
             mod = mixer.kernels
-            saved = (mod.RECURRENT_BV, mod.RECURRENT_WARPS, mod.RECURRENT_MIN_BV)
+            saved = (mod.RECURRENT_BV, mod.RECURRENT_WARPS, mod.RECURRENT_MIN_BV, mod.RECURRENT_WIDE)
             for B in batches:
                 x = draw(mixer, Shape(B, 1, H, K, V), device="cuda", seed=B)
                 twin = time_twin(mixer, x, B, H, K, V)
                 for bv in bvs:
-                    for w in warps:
+                    for w in warps:  # each row's tile and warps, whatever the batch (no wide rule)
                         mod.RECURRENT_BV, mod.RECURRENT_WARPS, mod.RECURRENT_MIN_BV = bv, w, bv
+                        mod.RECURRENT_WIDE = (1 << 62, bv, w)
                         us = time_step(mixer, x, B, H, K, V)
-                        mark = " (plan)" if (bv, w) == saved[:2] else ""
-                        rows.append((mixer.name, B, f"{bv}{mark}", w, us, twin))
+                        rows.append((mixer.name, B, bv, w, us, twin))
                         print(rows[-1], flush=True)
-                mod.RECURRENT_BV, mod.RECURRENT_WARPS, mod.RECURRENT_MIN_BV = saved
+                mod.RECURRENT_BV, mod.RECURRENT_WARPS, mod.RECURRENT_MIN_BV, mod.RECURRENT_WIDE = saved
+                rows.append((mixer.name, B, "plan", "plan", time_step(mixer, x, B, H, K, V), twin))
+                print(rows[-1], flush=True)
     print("| mixer | B | BV | warps | lrdsl us (graph) | FLA us (graph) | FLA/lrdsl |")
     print("|---|---|---|---|---|---|---|")
     for name, B, bv, w, us, twin in rows:

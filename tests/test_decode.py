@@ -193,3 +193,46 @@ def test_the_host_read_check_catches_the_host_mode(compiled, monkeypatch):
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     with pytest.raises(AssertionError, match="host read"), no_host_reads():
         mixer.chunk(**leaves, **opts)[0].sum().backward()
+
+
+class _Launches:
+    """Wraps a module's recurrent_fwd_kernel: records each launch's value tile and warps."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((kw["BV"], kw["num_warps"]))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
+def test_decoding_many_sequences_takes_wide_value_tiles(name, compiled, monkeypatch):
+    """One token for many sequences (the state's traffic bounds the call) runs RECURRENT_WIDE's value
+    tile and warps, and gives what T single steps at the module's own tile give; several tokens, or
+    fewer programs than the threshold, keep RECURRENT_BV and RECURRENT_WARPS. (The threshold is
+    lowered here: 8192 programs are too many for Triton's interpreter.)"""
+    mixer = compiled(f"examples/{name}.lr")
+    mod = mixer.kernels
+    case = Case(B=4, T=2, H=1, HV=2, K=16, V=64, initial_state=True, seed=5)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    launches = _Launches(mod.recurrent_fwd_kernel)
+    monkeypatch.setattr(mod, "recurrent_fwd_kernel", launches)
+    monkeypatch.setattr(mod, "RECURRENT_MIN_PROGRAMS", 0)  # no narrowing for few sequences
+    narrow = (min(64, mod.RECURRENT_BV), mod.RECURRENT_WARPS)
+    programs = 4 * 2 * (64 // narrow[0])  # N * HV * value tiles at RECURRENT_BV
+    with torch.no_grad():
+        monkeypatch.setattr(mod, "RECURRENT_WIDE", (programs + 1, 64, 4))
+        want_o, want = _single_steps(mixer, x, _clone(_start(mixer, case, 3)), opts["scale"], case.T)
+        assert launches.seen == [narrow, narrow]
+        monkeypatch.setattr(mod, "RECURRENT_WIDE", (programs, 64, 4))
+        launches.seen.clear()
+        o, got = _single_steps(mixer, x, _clone(_start(mixer, case, 3)), opts["scale"], case.T)
+        assert launches.seen == [(64, 4), (64, 4)]
+        launches.seen.clear()
+        mixer.step(**x, state=_clone(_start(mixer, case, 3)), scale=opts["scale"])  # two tokens at once
+        assert launches.seen == [narrow]
+    assert rms_ratio(o, want_o) < TOL
+    assert rms_ratio(got["S"], want["S"]) < TOL

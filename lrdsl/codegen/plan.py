@@ -96,6 +96,11 @@ class Tuning:
     # has fewer than recurrent_min_programs programs (not measured yet: benchmarks/device/decode.sh)
     recurrent_min_bv: int = 8
     recurrent_min_programs: int = 256
+    # decoding (T = 1) with at least recurrent_wide_programs programs at recurrent_bv: value tiles of
+    # recurrent_wide_bv with recurrent_wide_warps (the state's traffic bounds the call: docs/kernels/host.md)
+    recurrent_wide_programs: int = 8192
+    recurrent_wide_bv: int = 64
+    recurrent_wide_warps: int = 4
     chunk_size: int = 64  # BT; 16 for per-channel decays, whose pairwise terms are built elementwise
     chunk_size_wide_k: int = 16  # BT when K > wide_k: [BT, K] fp32 dot operands must fit in shared memory
     wide_k: int = 128
@@ -294,6 +299,9 @@ class Plan(SubTokenRows):
     recurrent_warps = _tuning("recurrent_warps")
     recurrent_min_bv = _tuning("recurrent_min_bv")
     recurrent_min_programs = _tuning("recurrent_min_programs")
+    recurrent_wide_programs = _tuning("recurrent_wide_programs")
+    recurrent_wide_bv = _tuning("recurrent_wide_bv")
+    recurrent_wide_warps = _tuning("recurrent_wide_warps")
     chunk_size = _tuning("chunk_size")
     chunk_size_wide_k = _tuning("chunk_size_wide_k")
     wide_k = _tuning("wide_k")
