@@ -26,8 +26,14 @@ def reference(mixer, x, opts):
                            **dict(opts, initial_state=None if h0 is None else h0.double()))
 
 
+# pytest -q: every other example (test_backward's per-example case compares every example's o and
+# final state, with gradients, by default); every example under -m slow
+HALF = [pytest.param(*p.values, id=p.id, marks=p.marks or (pytest.mark.slow if i % 2 else ()))
+        for i, p in enumerate(example_params(EXAMPLES))]
+
+
 @pytest.mark.parametrize("case_id", default_first(list(CASES), "varlen-T37-H2-HV4-K20-V12-h0"))
-@pytest.mark.parametrize("spec", example_params(EXAMPLES))
+@pytest.mark.parametrize("spec", HALF)
 def test_example_chunk_matches_reference(spec, case_id, compiled, monkeypatch):
     mixer = compiled(spec)
     poison = PoisonTorch()
