@@ -132,3 +132,26 @@ def test_decode_bench_row_times_both():
     r = decode_row(mixer, 8, 4, 64, 64)
     assert 0 < r["lrdsl_ms"] and 0 < r["lrdsl_eager_ms"] and 0 < r["lrdsl_verify_ms"]
     assert "fla_error" in r or (0 < r["fla_ms"] and 0 < r["fla_eager_ms"])
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
+def test_wide_decode_matches_the_reference(name):
+    """One token for 256 sequences of 16 heads (RECURRENT_WIDE's value tile and warps: 16384
+    programs at BV 32) inside a CUDA graph: o and the state against the float64 reference step."""
+    mixer = lrdsl.compile(os.path.join(EXAMPLES, name + ".lr"))
+    mod = mixer.kernels
+    B, H, K, V = 256, 16, 128, 128
+    assert (V // mod.RECURRENT_BV) * B * H >= mod.RECURRENT_WIDE[0]
+    x = draw(mixer, B, 1, H, K, V, seed=7)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    start = F.normalize(torch.rand(B, H, K, V, generator=gen, device="cuda"), dim=-1)
+    state = start.clone()
+    out = torch.full((B, 1, H, V), float("nan"), device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        graph, _ = capture(lambda: mixer.step(**x, state=state, out=out))
+        state.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_s = mixer.reference(**{n: t.double() for n, t in x.items()}, initial_state=start.double(),
+                                       output_final_state=True)
+    assert rms_ratio(out, ref_o) < 1e-2 and rms_ratio(state, ref_s) < 1e-4, (rms_ratio(out, ref_o), rms_ratio(state, ref_s))
