@@ -289,6 +289,10 @@ class Mixer:
             if cp_group is not None:
                 import dataclasses
                 batch = dataclasses.replace(batch, initial_state=initial_state, cu_seqlens=cu_seqlens)
+            if cp_group is None:
+                segmented = self._segmented(batch, segments, cu_seqlens_cpu)
+                if segmented is not None:
+                    return segmented
             return product.run(self, "chunk", batch, cp_group, None if cp_group else cu_seqlens_cpu)
         if cp_group is not None:
             from lrdsl.runtime import cp
@@ -303,11 +307,9 @@ class Mixer:
         if self.ir.side == "both":  # M S N: the token loop forward, a reverse token loop backward (two_sided.py)
             from lrdsl.runtime import two_sided
             return two_sided.chunk(self.ir, self.kernels, batch)
-        if type(segments) is not int or segments != 1:  # 1 (not True): one pass without a look
-            from lrdsl.runtime import segments as seg
-            cut = seg.plan(self, batch, segments, cu_seqlens_cpu)
-            if cut is not None:
-                return seg.chunk(self, batch, cut)
+        segmented = self._segmented(batch, segments, cu_seqlens_cpu)
+        if segmented is not None:
+            return segmented
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
@@ -325,6 +327,14 @@ class Mixer:
         if batch.initial_aux is not None or self.keep_intermediates or eager(tensors):
             return dispatch.chunk_eager(self, batch, tensors)
         return dispatch.chunk_tensors(self, batch, tensors)
+
+    def _segmented(self, batch, segments, offsets):
+        """chunk over the segments that runtime/segments.py cuts for this call, or None for one pass."""
+        if type(segments) is int and segments == 1:  # 1 (not True): one pass without a look
+            return None
+        from lrdsl.runtime import segments as seg
+        cut = seg.plan(self, batch, segments, offsets)
+        return None if cut is None else seg.chunk(self, batch, cut)
 
     def _with_before(self, method: str, batch, initial_state, offsets=None):
         """chunk or recurrent of a readout with S_prev or dot-product terms: the parts' kernels, the

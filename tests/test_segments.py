@@ -37,7 +37,7 @@ CASES = {
     # (the fallback's identity columns in two blocks)
     "batched-ragged": (Case(B=2, T=150, H=1, HV=2, K=32, V=16, initial_state=True, seed=23), 3),
 }
-FAMILIES = ("gated_deltanet", "kda", "gla", "deltanet", "gdn2_atk", "precond_kda", "rwkv7", "rwkv6",
+FAMILIES = ("gated_deltanet", "kda", "gla", "deltanet", "gdn2_atk", "precond_kda", "rwkv7", "rwkv6", "delta_product2",
             "cp_fallback_test_only")
 DEFAULT = ("gated_deltanet", "packed")
 

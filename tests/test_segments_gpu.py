@@ -23,7 +23,7 @@ GPU_CASES = {
                     initial_state=True, seed=31), 5),
     "batched": (Case(B=2, T=2048, H=2, HV=4, K=64, V=64, initial_state=True, seed=32), 4),
 }
-NAMES = ("gated_deltanet", "kda", "gla", "deltanet", "gdn2_atk", "rwkv7", "rwkv6")
+NAMES = ("gated_deltanet", "kda", "gla", "deltanet", "gdn2_atk", "rwkv7", "rwkv6", "delta_product2")
 
 
 @pytest.mark.parametrize("case_name", list(GPU_CASES))

@@ -22,36 +22,53 @@ import torch
 
 
 @functools.lru_cache(maxsize=64)
+def values(m) -> tuple:
+    """The value-channel inputs that carry the writes' values: v, and each further step's own value
+    (DeltaProduct's v2, v3, ...)."""
+    import sympy as sp
+    inputs = {i.name for i in m.inputs if i.kind == "V"}
+    named = {str(s) for st in m.steps for s in sp.sympify(m.inline_lets(st.write.value)).free_symbols}
+    return ("v", *sorted(named & inputs - {"v"}))
+
+
 def widens(m) -> bool:
     """Whether a piece's map can ride in one run beside its values: K more value columns with
-    v = 0 and the identity as their incoming state carry the transition's product (L) in their final
-    state and each token's readout of the incoming state in o, because every value column evolves
-    on its own under the same K x K transitions. That needs the write's value to vanish with v (it
-    does in every example) and v = 0 inside v's range; no auxiliary state per value channel, and no
-    other value-channel input normalised or declared unit (its pad, a copy of channel 0, would
-    change its norm). Otherwise the maps take one batched run and the piece a second one."""
+    zero values (`values`) and the identity as their incoming state carry the transition's product (L)
+    in their final state and each token's readout of the incoming state in o, because every value
+    column evolves on its own under the same K x K transitions. That needs every write's value to
+    vanish with the values (it does in every example) and 0 inside each one's range, not normalised;
+    no auxiliary state per value channel, and no other value-channel input normalised or declared
+    unit (its pad, a copy of channel 0, would change its norm). Otherwise the maps take one batched
+    run and the piece a second one."""
     import sympy as sp
 
     from lrdsl.frontend.ir import symbol
-    v = m.input("v")
     if m.bonus:  # a dot-product term of the readout is not linear in the incoming state
         return False
-    if (v.lo > 0 or v.hi < 0 or (v.lo == 0 and v.lo_open) or (v.hi == 0 and v.hi_open)
-            or any(a.kind == "V" for a in m.aux)
-            or any(i.kind == "V" and i.name != "v" and (i.l2norm or i.unit) for i in m.inputs)):
+    zeroed = values(m)
+    for name in zeroed:
+        x = m.input(name)
+        if (x.lo > 0 or x.hi < 0 or (x.lo == 0 and x.lo_open) or (x.hi == 0 and x.hi_open)
+                or (name != "v" and (x.l2norm or x.unit))):
+            return False
+    if (any(a.kind == "V" for a in m.aux)
+            or any(i.kind == "V" and i.name not in zeroed and (i.l2norm or i.unit) for i in m.inputs)):
         return False
-    return sp.simplify(m.inline_lets(m.write.value).xreplace({symbol("v"): 0})) == 0
+    zero = {symbol(n): 0 for n in zeroed}
+    return all(sp.simplify(m.inline_lets(w.value).xreplace(zero)) == 0
+               for w in (m.write, *(st.write for st in m.steps)))
 
 
 def widen(m, x: dict, K: int) -> dict:
-    """x with K more value channels: zeros in v, a copy of channel 0 (detached: in range, and the
-    write there is zero whatever it holds) in every other value-channel input and param."""
-    kinds = m.kinds()
+    """x with K more value channels: zeros in the values (`values`), a copy of channel 0 (detached:
+    in range, and the write there is zero whatever it holds) in every other value-channel input and
+    param."""
+    kinds, zeroed = m.kinds(), values(m)
     out = dict(x)
     for n, t in x.items():
         if kinds[n] == "V":
             pad = t[..., :1].detach().expand(*t.shape[:-1], K)
-            out[n] = torch.cat([t, torch.zeros_like(pad) if n == "v" else pad], -1)
+            out[n] = torch.cat([t, torch.zeros_like(pad) if n in zeroed else pad], -1)
     return out
 
 

@@ -243,6 +243,8 @@ def run(mixer, method: str, batch, cp_group=None, offsets=None):
                 cu_seqlens=None if batch.cu_seqlens is None else batch.cu_seqlens * n)
     if cp_group is not None:
         opts["cp_group"] = cp_group
+    elif method == "chunk":  # the product's segments, if any, were cut before its steps
+        opts["segments"] = 1
     if offsets is not None:
         opts["cu_seqlens_cpu"] = [n * int(c) for c in offsets]
     o, final = getattr(sub, method)(q, k, v, **opts, **x)
