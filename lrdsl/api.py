@@ -300,8 +300,10 @@ class Mixer:
                             cp_group)
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                offsets=cu_seqlens_cpu)
-        # value sides before segments (whose maps of the state are the key side's)
         if self.ir.side == "right":  # the chunked forward and backward kernels (valueside.py)
+            segmented = self._segmented(batch, segments, cu_seqlens_cpu)
+            if segmented is not None:
+                return segmented
             from lrdsl.runtime import valueside
             return valueside.chunk(self.ir, self.kernels, batch, self._value_route_for(batch))
         if self.ir.side == "both":  # M S N: the token loop forward, a reverse token loop backward (two_sided.py)

@@ -20,7 +20,9 @@ import os
 import pytest
 import torch
 from test_cp import ROOT, SPECS, TOL_GATE, inputs, whole
+from test_two_sided import spec_text
 
+import lrdsl
 from lrdsl.errors import InputError
 from lrdsl.runtime import segments as seg
 from lrdsl.runtime.affine import widens
@@ -37,7 +39,9 @@ CASES = {
     # (the fallback's identity columns in two blocks)
     "batched-ragged": (Case(B=2, T=150, H=1, HV=2, K=32, V=16, initial_state=True, seed=23), 3),
 }
-FAMILIES = ("gated_deltanet", "kda", "gla", "deltanet", "gdn2_atk", "precond_kda", "rwkv7", "rwkv6", "delta_product2",
+# the left-side examples of test_cp, and a value-side transition (S N: its maps act from the right)
+SPECS = {**SPECS, "oja": ROOT / "examples" / "oja.lr"}
+FAMILIES = ("gated_deltanet", "kda", "gla", "deltanet", "gdn2_atk", "precond_kda", "rwkv7", "rwkv6", "delta_product2", "oja",
             "cp_fallback_test_only")
 DEFAULT = ("gated_deltanet", "packed")
 
@@ -89,8 +93,9 @@ def check_calls(mixer, case, cut, calls):
         want.append(rows(2) + [1])
     if widens(mixer.ir):
         want.append(rows(1) + [case.V + case.K])
-    else:
-        want += [rows(1 + -(-case.K // case.V)) + [case.V], rows(1) + [case.V]]
+    else:  # a value-side transition's maps from blocks of K identity rows, the others' of V columns
+        blocks = -(-case.V // case.K) if mixer.ir.side == "right" else -(-case.K // case.V)
+        want += [rows(1 + blocks) + [case.V], rows(1) + [case.V]]
     assert calls == want, f"chunk calls {calls}, expected {want}"
 
 
@@ -151,6 +156,10 @@ def test_segments_asked_for_and_refused(compiled, monkeypatch):
     mesa = compiled(ROOT / "examples" / "mesa.lr")  # the offline solve keeps one pass
     xm, _, _ = inputs(mesa, case)
     assert seg.plan(mesa, validated(mesa, xm, None), 2, None) is None
+    # and a two-sided transition (M S N: its map of the state is no matrix product)
+    both = lrdsl.compile(text=spec_text("kda_oja"))
+    xb, _, _ = inputs(both, case)
+    assert seg.plan(both, validated(both, xb, None), 2, None) is None
 
 
 def test_a_nan_stays_in_its_sequence(compiled):

@@ -43,8 +43,8 @@ def widens(m) -> bool:
     import sympy as sp
 
     from lrdsl.frontend.ir import symbol
-    if m.bonus:  # a dot-product term of the readout is not linear in the incoming state
-        return False
+    if m.bonus or m.side != "left":  # a dot-product readout is not linear in the incoming state; a
+        return False                 # value-side transition mixes the value columns
     zeroed = values(m)
     for name in zeroed:
         x = m.input(name)
@@ -114,23 +114,36 @@ def finish(o_w, V: int, S):
     return (o_w[..., :V].float() + torch.einsum("bthk,bhkv->bthv", C.float(), S)).to(o_w.dtype)
 
 
-def fallback_maps(run, many, A, aux_in: list, through=None) -> tuple:
+def fallback_maps(run, many, A, aux_in: list, through=None, right: bool = False) -> tuple:
     """(R, L) of x's sequences from one batched call from A and from A plus each block of up to V
     identity columns (1 + ceil(K/V) starts); many(c) is x's c copies side by side; `through` ([n] of
-    0/1, None for all ones) zeroes the identity, hence L, where a piece starts its sequence."""
+    0/1, None for all ones) zeroes the identity, hence L, where a piece starts its sequence.
+    right: a value-side transition, S_out = S_in L + R with L [V, V], from blocks of up to K identity
+    rows (1 + ceil(V/K) starts); compose those with `right_mul`."""
     n, _, K, V = A.shape
     starts, cols = [A], []
-    for b0 in range(0, K, V):
-        w = min(V, K - b0)
+    for b0 in range(0, V if right else K, K if right else V):
+        w = min(K, V - b0) if right else min(V, K - b0)
         E = torch.zeros_like(A)
-        E[..., b0 + torch.arange(w, device=A.device), torch.arange(w, device=A.device)] = 1.0
+        r = torch.arange(w, device=A.device)
+        if right:
+            E[..., r, b0 + r] = 1.0
+        else:
+            E[..., b0 + r, r] = 1.0
         starts.append(A + (E if through is None else E * through[:, None, None, None]))
         cols.append(w)
     c = len(starts)
     _, F, _ = run(many(c), torch.cat(starts), [torch.cat([a] * c) for a in aux_in])
     R = F[:n]
+    if right:  # rows b0.. of L are the first w rows of that start's change
+        return R, torch.cat([(F[(j + 1) * n:(j + 2) * n] - R)[..., :w, :] for j, w in enumerate(cols)], -2)
     L = torch.cat([(F[(j + 1) * n:(j + 2) * n] - R)[..., :w] for j, w in enumerate(cols)], -1)
     return R, L
+
+
+def right_mul(L, X):
+    """`prefix`'s mul for value-side maps: X L (the map of the piece after X's)."""
+    return torch.matmul(X, L)
 
 
 def prefix(L, R, mul=torch.matmul, starts=None):

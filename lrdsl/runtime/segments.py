@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lrdsl.errors import InputError
-from lrdsl.runtime.affine import aux_maps, copies, fallback_maps, finish, prefix, wide_run, widens
+from lrdsl.runtime.affine import aux_maps, copies, fallback_maps, finish, prefix, right_mul, wide_run, widens
 
 ALIGN = 64  # segment boundaries fall on multiples of every kernel's chunk size
 MIN_LENGTH = 1024  # a segment the schedule makes keeps at least this many tokens
@@ -101,16 +101,19 @@ def _asked(segments) -> int | None:
 
 def plan(mixer, batch, segments, offsets) -> Cut | None:
     """The segments this chunk call runs over, or None for one pass: asked for (segments=, else
-    LRDSL_SEGMENTS) or chosen by `count` on a GPU outside torch.compile; never for an offline solve or auxiliary states
-    updated from one another (the maps do not hold), nor for packed sequences whose offsets only the
-    device has."""
+    LRDSL_SEGMENTS) or chosen by `count` on a GPU outside torch.compile (not for a value-side
+    transition: asked for only); never for an offline solve, a two-sided transition, auxiliary states
+    updated from one another or beside a value-side transition (the maps do not hold), nor for packed
+    sequences whose offsets only the device has."""
     n = _asked(segments)
     q = batch.tensors["q"]
     if n is None and (q.device.type != "cuda" or torch.compiler.is_compiling()):
         return None  # under torch.compile the call stays one custom op unless segments are asked for
     m = mixer.ir
-    if n == 1 or m.solve_lam is not None:
+    if n == 1 or m.solve_lam is not None or m.side == "both" or (m.side == "right" and m.aux):
         return None
+    if n is None and m.side == "right":  # its maps take two more runs of the segments: asked for only
+        return None                       # until timed on a GPU
     names = {a.name for a in m.aux}
     if any({str(s) for e in (a.decay, a.write) for s in e.free_symbols} & names for a in m.aux):
         return None
@@ -196,8 +199,10 @@ def chunk(mixer, batch, c: Cut):
         S_in = gate(shifted(S_out))
         o = finish(o_w, V, S_in) if width else _finish_packed(o_w, V, S_in, c, total)
     else:  # 2'. the maps from identity-like starts, then every segment from its true incoming state
-        R, L = fallback_maps(run, lambda k: many(x, k), A, aux_in, through)
-        o, S_out, aux_f = run(x, A + gate(shifted(prefix(L, R, starts=starts))), aux_in)
+        right = m.side == "right"  # S_out = S_in L + R
+        R, L = fallback_maps(run, lambda k: many(x, k), A, aux_in, through, right=right)
+        S_in = prefix(L, R, right_mul if right else torch.matmul, starts=starts)
+        o, S_out, aux_f = run(x, A + gate(shifted(S_in)), aux_in)
     o = o.reshape(B, T, HV, V)
     if not batch.output_final_state:
         return o, None
