@@ -13,23 +13,11 @@ token, and FLA/lrdsl (above 1: lrdsl faster).
 import sys
 
 import torch
+from script_args import ints, option
 from triton.testing import do_bench
 
 import lrdsl
 from lrdsl.bench import DECODE_TWINS, Shape, _fla, draw, graphed
-
-
-def ints(s: str) -> list:
-    return [int(x) for x in s.split(",")]
-
-
-def option(args: list, name: str, default: str) -> str:
-    if name in args:
-        i = args.index(name)
-        value = args[i + 1]
-        del args[i:i + 2]
-        return value
-    return default
 
 
 def time_step(mixer, x, B, H, K, V) -> float:

@@ -9,18 +9,11 @@ tables are printed last.
 """
 import sys
 
+from script_args import option
+
 import lrdsl
 from lrdsl.bench import draw, measure, parse_shape
 from lrdsl.runtime import nonfinite
-
-
-def option(args: list, name: str, default: str) -> str:
-    if name in args:
-        i = args.index(name)
-        value = args[i + 1]
-        del args[i:i + 2]
-        return value
-    return default
 
 
 def main(argv) -> None:

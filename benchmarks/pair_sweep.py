@@ -11,26 +11,11 @@ H=16, keys 32, 4 warps, cap 128). The table is printed last.
 import sys
 
 import torch
+from script_args import ints, option
 
 import lrdsl
 from lrdsl.bench import draw, kernel_times, parse_shape
-
-
-def ints(s: str) -> list:
-    return [int(x) for x in s.split(",")]
-
-
-def option(args: list, name: str, default: str) -> str:
-    if name in args:
-        i = args.index(name)
-        value = args[i + 1]
-        del args[i:i + 2]
-        return value
-    return default
-
-
-def rms_ratio(a, b) -> float:
-    return float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt().clamp_min(1e-30))
+from lrdsl.testing import rms_ratio
 
 
 def main(argv) -> None:
