@@ -176,3 +176,21 @@ def test_a_nan_stays_in_its_sequence(compiled):
     for i in (0, 2, 3):
         assert s2[i].isfinite().all() and rms_ratio(s2[i], s1[i]) < TOL
     assert o2[:, 40:200].isnan().any() == o1[:, 40:200].isnan().any()
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "delta_product2", "rwkv6", "oja"])
+def test_the_schedule_cuts_only_where_the_maps_ride_in_one_run(name, compiled, monkeypatch):
+    """The schedule's own choice (a GPU of 132 SMs, here stood in for): a long sequence with one head
+    is cut where the maps ride in the wide run, and left whole where they take the fallback's two
+    more runs (rwkv6's bonus term; oja's value-side transition)."""
+    import dataclasses
+    from types import SimpleNamespace
+    mixer = compiled(SPECS.get(name, ROOT / "examples" / f"{name}.lr"))
+    x, _, _ = inputs(mixer, Case(B=1, T=64, H=1, HV=1, K=16, V=16, seed=35))
+    batch = validated(mixer, x, None)
+    on_gpu = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))
+    batch = dataclasses.replace(batch, T=16384, tensors={**batch.tensors, "q": on_gpu})
+    monkeypatch.setattr(seg, "sm_count", lambda index: 132)
+    cut = seg.plan(mixer, batch, None, None)
+    assert (cut is not None) == (name in ("gated_deltanet", "delta_product2")), cut
+    assert cut is None or len(cut.bounds) == seg.count(1, 1, 1, 16384, 132)

@@ -11,7 +11,7 @@ import functools
 
 import pytest
 import torch
-from test_cp import SPECS, inputs, whole
+from test_cp import ROOT, SPECS, inputs, whole
 
 from lrdsl.runtime import segments as seg
 from lrdsl.testing import Case, rms_ratio
@@ -62,3 +62,18 @@ def test_schedule_cuts_a_long_sequence_with_few_heads(compiled):
     o1, s1 = mixer.chunk(**x, initial_state=h0.cuda(), output_final_state=True, segments=1)
     o2, s2 = mixer.chunk(**x, initial_state=h0.cuda(), output_final_state=True)
     assert rms_ratio(o2, o1) < 1e-2 and rms_ratio(s2, s1) < 1e-2
+
+
+@pytest.mark.parametrize("name", ["rwkv6", "oja", "delta_product2"])
+def test_schedule_cuts_only_where_the_maps_ride_in_one_run(name, compiled):
+    """At the shape the schedule cuts for gated_deltanet, it leaves the fallback's specs (rwkv6: a
+    bonus term; oja: a value-side transition) in one pass, and cuts a product of steps."""
+    path = ROOT / "examples" / f"{name}.lr"
+    mixer = compiled(path)
+    case = Case(B=1, T=16384, H=1, HV=1, K=128, V=128, seed=34)
+    x, _, _ = inputs(mixer, case)
+    x = {n: t.cuda() for n, t in x.items()}
+    t = dict(x)
+    batch = mixer._validate(t.pop("q"), t.pop("k"), t.pop("v"), t, None, None, False, None)
+    cut = seg.plan(mixer, batch, None, None)
+    assert (cut is not None) == (name == "delta_product2"), cut

@@ -101,8 +101,8 @@ def _asked(segments) -> int | None:
 
 def plan(mixer, batch, segments, offsets) -> Cut | None:
     """The segments this chunk call runs over, or None for one pass: asked for (segments=, else
-    LRDSL_SEGMENTS) or chosen by `count` on a GPU outside torch.compile (not for a value-side
-    transition: asked for only); never for an offline solve, a two-sided transition, auxiliary states
+    LRDSL_SEGMENTS) or chosen by `count` on a GPU outside torch.compile where the maps ride in one
+    wide run (`widens`; the fallback, e.g. rwkv6's or oja's, only asked for); never for an offline solve, a two-sided transition, auxiliary states
     updated from one another or beside a value-side transition (the maps do not hold), nor for packed
     sequences whose offsets only the device has."""
     n = _asked(segments)
@@ -112,8 +112,8 @@ def plan(mixer, batch, segments, offsets) -> Cut | None:
     m = mixer.ir
     if n == 1 or m.solve_lam is not None or m.side == "both" or (m.side == "right" and m.aux):
         return None
-    if n is None and m.side == "right":  # its maps take two more runs of the segments: asked for only
-        return None                       # until timed on a GPU
+    if n is None and not widens(m):  # the fallback's maps take two more runs of the segments: asked
+        return None                  # for only (the wide run's one more already lost at H=8: `count`)
     names = {a.name for a in m.aux}
     if any({str(s) for e in (a.decay, a.write) for s in e.free_symbols} & names for a in m.aux):
         return None
