@@ -61,16 +61,16 @@ class SubTokenRows:
         phase (sub_once), its sub-tokens T elsewhere."""
         return "T0 if n in SUB_ONCE else T" if self.sub_reads else "T"
 
-    @property
-    def sub_pair_sums(self) -> str:
-        """_chain_sums' lines that add the split's sub-tokens' gradients of each token (and dz's): one
-        torch sum over a dimension of 2 each; "" elsewhere."""
+    def sub_pair_sums(self, v_given: tuple) -> str:
+        """_chain_sums' lines that add the split's sub-tokens' gradients of each token (and dz's where
+        an input's gradient is dz itself, v_given: no one reads it otherwise): one torch sum over a
+        dimension of 2 each; "" elsewhere."""
         if not self.sub_reads:
             return ""
+        dz = "\n    dz = dz if per == 1 else dz.view(B, T, per, *dz.shape[2:]).sum(2)" if v_given else ""
         return ("\n    per = _sub_len(inputs)  # the split's: a token's gradient is its sub-tokens' sum"
                 "\n    grads = {x: g if x in PARAMS or x in SUB_ONCE or per == 1 else g.view(B, T, per, *g.shape[2:]).sum(2)"
-                " for x, g in grads.items()}"
-                "\n    dz = dz if per == 1 else dz.view(B, T, per, *dz.shape[2:]).sum(2)")
+                " for x, g in grads.items()}" + dz)
 
     def sub_row(self, name: str, ptr: str, rows: str, heads: str, head: str, width: str) -> str:
         """The address of row `rows` ([heads, width] rows) of input `name` at `ptr` where the plan
