@@ -202,3 +202,37 @@ def test_forward_functions_keep_their_bytes(stem):
                 whole and re.match(rf"\s*{whole[1]} = _finite_input\({whole[1]}, {whole[2]}, ", lines[i + 1])), lines[i]
     else:
         assert after == before
+
+
+class _Launches:
+    """Wraps one of nonfinite's grouped kernels: records each launch's COUNT (tensors in it)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.counts = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.counts.append(kw["COUNT"])
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def test_flags_and_fills_take_one_launch_per_group(compiled, monkeypatch):
+    """The backward's read-only flag pass launches once per input size (gated_deltanet: q, k, v of
+    [B, T, H, K|V]; g, beta of [B, T, H]) and the gradients' nan fill once for all five, where a
+    launch per input made 11 of the backward's 23 launches; a planted nan still gets its gradient's
+    nan, and the token before it a finite one."""
+    mixer = compiled(spec_path("gated_deltanet"))
+    flags = _Launches(nonfinite._flags_kernel)
+    fills = _Launches(nonfinite._fill_bad_group_kernel)
+    monkeypatch.setattr(nonfinite, "_flags_kernel", flags)
+    monkeypatch.setattr(nonfinite, "_fill_bad_group_kernel", fills)
+    x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=16, seed=9), DEVICE)
+    with torch.no_grad():
+        x["k"][0, 7, 0, 3] = math.nan
+    for t in x.values():
+        t.requires_grad_()
+    o, _ = mixer.chunk(**x, **opts)
+    torch.nan_to_num(o).sum().backward()
+    assert sorted(flags.counts) == [2, 3] and fills.counts == [5], (flags.counts, fills.counts)
+    assert x["k"].grad[0, 7, 0, 3].isnan() and x["k"].grad[0, 6].isfinite().all()

@@ -125,34 +125,82 @@ def device_copies(mixer_ir, names, tensors) -> tuple:
 
 def device_flags(mixer_ir, names, tensors) -> list:
     """device_copies' flags alone: one read-only pass over each input, no copy (the staged backward
-    whose loads make the inputs finite themselves, codegen/finite.py)."""
+    whose loads make the inputs finite themselves, codegen/finite.py). Inputs of one size share a
+    launch (_flags_kernel, up to GROUP of them): one per size, not one per input."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
     live = [j for j, (n, t) in enumerate(zip(names, tensors)) if n in spec and t.is_floating_point()]
     if not live:
         return [None] * len(tensors)
     buf = torch.zeros(len(live), dtype=torch.int32, device=tensors[live[0]].device)
     flags_ = [None] * len(tensors)
+    by_size = {}
     for slot, j in enumerate(live):
         t = tensors[j]
         flags_[j] = buf[slot]
         if t.dtype == torch.float64 or not t.numel():
             buf[slot] = _maybe_bad(t).to(torch.int32)
             continue
-        x = t.detach().contiguous()
-        _flag_kernel[_launch_blocks(x.numel())](x, buf, slot, x.numel(), BLOCK=BLOCK)
+        by_size.setdefault(t.numel(), []).append((t.detach().contiguous(), slot))
+    for n, group in by_size.items():
+        for part in _groups(group):
+            xs, slots = zip(*part)
+            _flags_kernel[(_launch_blocks(n)[0], len(part))](
+                *_padded(xs, None), *_padded(slots, 0), buf, n, COUNT=len(part), BLOCK=BLOCK)
     return flags_
+
+
+GROUP = 8  # tensors per launch of the grouped kernels (_flags_kernel, _fill_bad_group_kernel)
+
+
+def _groups(items: list) -> list:
+    return [items[i:i + GROUP] for i in range(0, len(items), GROUP)]
+
+
+def _padded(values, pad) -> list:
+    return list(values) + [pad] * (GROUP - len(values))
 
 
 BLOCK = 1024  # elements per program of the kernels below
 
 
 @triton.jit
-def _flag_kernel(x_ptr, flags_ptr, slot, n, BLOCK: tl.constexpr):
-    # flags[slot] = 1 where x has a nan or an infinite entry (_finite_copy_kernel's flag, no copy)
+def _flag_block(x_ptr, flags_ptr, slot, n, BLOCK: tl.constexpr):
+    # flags[slot] = 1 where this program's block of x has a nan or an infinite entry
+    # (_finite_copy_kernel's flag, no copy)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     if tl.max(((x != x) | (x == float("inf")) | (x == float("-inf"))).to(tl.int32), 0) > 0:
         tl.atomic_max(flags_ptr + slot, 1)
+
+
+@triton.jit
+def _flags_kernel(x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, s2, s3, s4, s5, s6, s7, flags_ptr, n,
+                  COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    # _flag_block over COUNT tensors of n elements each: program (i, j) takes block i of tensor j
+    j = tl.program_id(1)
+    if j == 0:
+        _flag_block(x0, flags_ptr, s0, n, BLOCK)
+    if COUNT > 1:
+        if j == 1:
+            _flag_block(x1, flags_ptr, s1, n, BLOCK)
+    if COUNT > 2:
+        if j == 2:
+            _flag_block(x2, flags_ptr, s2, n, BLOCK)
+    if COUNT > 3:
+        if j == 3:
+            _flag_block(x3, flags_ptr, s3, n, BLOCK)
+    if COUNT > 4:
+        if j == 4:
+            _flag_block(x4, flags_ptr, s4, n, BLOCK)
+    if COUNT > 5:
+        if j == 5:
+            _flag_block(x5, flags_ptr, s5, n, BLOCK)
+    if COUNT > 6:
+        if j == 6:
+            _flag_block(x6, flags_ptr, s6, n, BLOCK)
+    if COUNT > 7:
+        if j == 7:
+            _flag_block(x7, flags_ptr, s7, n, BLOCK)
 
 
 @triton.jit
@@ -172,6 +220,51 @@ def _finite_copy_kernel(x_ptr, y_ptr, flags_ptr, slot, n, fill, POS: tl.constexp
     tl.store(y_ptr + offs, tl.where(bad, fill, x).to(y_ptr.dtype.element_ty), mask=m)
     if tl.max(((x != x) | inf).to(tl.int32), 0) > 0:
         tl.atomic_max(flags_ptr + slot, 1)
+
+
+@triton.jit
+def _fill_bad_part(g_ptr, x_ptr, flag_ptr, n, value, pos, neg, BLOCK: tl.constexpr):
+    # _fill_bad_kernel's work with the ends as runtime flags (one of _fill_bad_group_kernel's tensors)
+    if tl.load(flag_ptr) != 0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            bad = (x != x) | ((x == float("inf")) & (pos != 0)) | ((x == float("-inf")) & (neg != 0))
+            tl.store(g_ptr + offs, (tl.zeros([BLOCK], tl.float32) + value).to(g_ptr.dtype.element_ty), mask=m & bad)
+
+
+@triton.jit
+def _fill_bad_group_kernel(g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x6, x7,
+                           f0, f1, f2, f3, f4, f5, f6, f7, n0, n1, n2, n3, n4, n5, n6, n7, ends, value,
+                           COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    # _fill_bad_part over COUNT tensors: program (i, j) strides over tensor j; ends holds each
+    # tensor's POS + 2 NEG in its bits
+    j = tl.program_id(1)
+    if j == 0:
+        _fill_bad_part(g0, x0, f0, n0, value, ends & 1, ends & 2, BLOCK)
+    if COUNT > 1:
+        if j == 1:
+            _fill_bad_part(g1, x1, f1, n1, value, ends & 4, ends & 8, BLOCK)
+    if COUNT > 2:
+        if j == 2:
+            _fill_bad_part(g2, x2, f2, n2, value, ends & 16, ends & 32, BLOCK)
+    if COUNT > 3:
+        if j == 3:
+            _fill_bad_part(g3, x3, f3, n3, value, ends & 64, ends & 128, BLOCK)
+    if COUNT > 4:
+        if j == 4:
+            _fill_bad_part(g4, x4, f4, n4, value, ends & 256, ends & 512, BLOCK)
+    if COUNT > 5:
+        if j == 5:
+            _fill_bad_part(g5, x5, f5, n5, value, ends & 1024, ends & 2048, BLOCK)
+    if COUNT > 6:
+        if j == 6:
+            _fill_bad_part(g6, x6, f6, n6, value, ends & 4096, ends & 8192, BLOCK)
+    if COUNT > 7:
+        if j == 7:
+            _fill_bad_part(g7, x7, f7, n7, value, ends & 16384, ends & 32768, BLOCK)
 
 
 @triton.jit
@@ -214,17 +307,21 @@ def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
     (in place: they are this backward's own); bad_flags: device_copies' flags."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
     rs = resets(mixer_ir)
-    out = []
+    out, group = [], []
     for n, t, g, f in zip(names, tensors, grads, bad_flags):
+        out.append(g)
         if g is None or n not in spec or f is None:
-            out.append(g)
             continue
         pos, neg = bad_ends(spec[n], n in rs)
         if g.shape != t.shape or not g.is_contiguous() or not g.numel():
-            out.append(g.masked_fill(_bad(spec[n], t, n in rs), math.nan))
+            out[-1] = g.masked_fill(_bad(spec[n], t, n in rs), math.nan)
             continue
-        _fill_bad_kernel[_flag_grid(g.numel())](g, t.contiguous(), f, g.numel(), math.nan, POS=pos, NEG=neg, BLOCK=BLOCK)
-        out.append(g)
+        group.append((g, t.contiguous(), f, g.numel(), int(pos) + 2 * int(neg)))
+    for part in _groups(group):  # one launch for up to GROUP gradients
+        gs, xs, fs, ns, ends = zip(*part)
+        _fill_bad_group_kernel[(_flag_grid(max(ns))[0], len(part))](
+            *_padded(gs, None), *_padded(xs, None), *_padded(fs, None), *_padded(ns, 0),
+            sum(e << (2 * j) for j, e in enumerate(ends)), math.nan, COUNT=len(part), BLOCK=BLOCK)
     return out
 
 
