@@ -262,8 +262,9 @@ ALL_SPLITS = {**SPLITS, **EXTRA}
 SLOW = sorted({(n, s) for s in SPLITS for n in SPREAD}
               | {(n, ("w2-varlen", SMALL_W4, "w2-varlen")[i % 3]) for i, n in enumerate(sorted(EXAMPLES))}
               | {(FALLBACK, s) for s in ("w2-varlen", SMALL_W4, "w4-batched-K16-V8")})
-CASES = [pytest.param(n, s, marks=() if (n, s) == DEFAULT else pytest.mark.slow)
-         for n, s in sorted({DEFAULT, *SLOW})]
+# every case under -m slow (10 s of one worker: pytest -q keeps the ranks' disagreement test below,
+# which spawns a world of gloo ranks too)
+CASES = [pytest.param(n, s, marks=pytest.mark.slow) for n, s in sorted({DEFAULT, *SLOW})]
 
 
 @pytest.fixture(scope="module")
