@@ -31,6 +31,7 @@ def values(m) -> tuple:
     return ("v", *sorted(named & inputs - {"v"}))
 
 
+@functools.lru_cache(maxsize=64)
 def widens(m) -> bool:
     """Whether a piece's map can ride in one run beside its values: K more value columns with
     zero values (`values`) and the identity as their incoming state carry the transition's product (L)
