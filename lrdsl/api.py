@@ -300,18 +300,15 @@ class Mixer:
                             cp_group)
         batch = self._validate(q, k, v, inputs, scale, initial_state, output_final_state, cu_seqlens,
                                offsets=cu_seqlens_cpu)
+        segmented = self._segmented(batch, segments, cu_seqlens_cpu)  # (segments.plan refuses M S N)
+        if segmented is not None:
+            return segmented
         if self.ir.side == "right":  # the chunked forward and backward kernels (valueside.py)
-            segmented = self._segmented(batch, segments, cu_seqlens_cpu)
-            if segmented is not None:
-                return segmented
             from lrdsl.runtime import valueside
             return valueside.chunk(self.ir, self.kernels, batch, self._value_route_for(batch))
         if self.ir.side == "both":  # M S N: the token loop forward, a reverse token loop backward (two_sided.py)
             from lrdsl.runtime import two_sided
             return two_sided.chunk(self.ir, self.kernels, batch)
-        segmented = self._segmented(batch, segments, cu_seqlens_cpu)
-        if segmented is not None:
-            return segmented
         if self.ir.solve_lam is not None:
             from lrdsl.runtime import offline
             return offline.chunk(self, batch)
