@@ -195,15 +195,17 @@ def test_the_host_read_check_catches_the_host_mode(compiled, monkeypatch):
         mixer.chunk(**leaves, **opts)[0].sum().backward()
 
 
-class _Launches:
-    """Wraps a module's recurrent_fwd_kernel: records each launch's value tile and warps."""
+class Launches:
+    """Wraps a Triton kernel (kernel[grid](...)): records the named keyword arguments of each launch,
+    a tuple per launch (the value alone for one name), then launches it."""
 
-    def __init__(self, kernel):
-        self.kernel, self.seen = kernel, []
+    def __init__(self, kernel, *names):
+        self.kernel, self.names, self.seen = kernel, names, []
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.seen.append((kw["BV"], kw["num_warps"]))
+            got = tuple(kw[n] for n in self.names)
+            self.seen.append(got[0] if len(got) == 1 else got)
             return self.kernel[grid](*args, **kw)
         return launch
 
@@ -218,7 +220,7 @@ def test_decoding_many_sequences_takes_wide_value_tiles(name, compiled, monkeypa
     mod = mixer.kernels
     case = Case(B=4, T=2, H=1, HV=2, K=16, V=64, initial_state=True, seed=5)
     x, opts = draw_inputs(mixer, case, DEVICE)
-    launches = _Launches(mod.recurrent_fwd_kernel)
+    launches = Launches(mod.recurrent_fwd_kernel, "BV", "num_warps")
     monkeypatch.setattr(mod, "recurrent_fwd_kernel", launches)
     monkeypatch.setattr(mod, "RECURRENT_MIN_PROGRAMS", 0)  # no narrowing for few sequences
     narrow = (min(64, mod.RECURRENT_BV), mod.RECURRENT_WARPS)

@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from test_decode import Launches
 from test_nonfinite import spec_path, spoil
 from test_nonfinite_backward import gradients
 from test_recurrent import DEVICE
@@ -204,27 +205,15 @@ def test_forward_functions_keep_their_bytes(stem):
         assert after == before
 
 
-class _Launches:
-    """Wraps one of nonfinite's grouped kernels: records each launch's COUNT (tensors in it)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.counts = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.counts.append(kw["COUNT"])
-            return self.kernel[grid](*args, **kw)
-        return launch
-
-
 def test_flags_and_fills_take_one_launch_per_group(compiled, monkeypatch):
     """The backward's read-only flag pass launches once per input size (gated_deltanet: q, k, v of
-    [B, T, H, K|V]; g, beta of [B, T, H]) and the gradients' nan fill once for all five, where a
-    launch per input made 11 of the backward's 23 launches; a planted nan still gets its gradient's
-    nan, and the token before it a finite one."""
+    [B, T, H, K|V]; g, beta of [B, T, H]) and the gradients' nan fill once for all five (after the
+    solve's residual's zeroing, one more launch of the same kernel), where a launch per input made
+    11 of the backward's 23 launches; a planted nan still gets its gradient's nan, and the token
+    before it a finite one."""
     mixer = compiled(spec_path("gated_deltanet"))
-    flags = _Launches(nonfinite._flags_kernel)
-    fills = _Launches(nonfinite._fill_bad_group_kernel)
+    flags = Launches(nonfinite._flags_kernel, "COUNT")
+    fills = Launches(nonfinite._fill_bad_group_kernel, "COUNT")
     monkeypatch.setattr(nonfinite, "_flags_kernel", flags)
     monkeypatch.setattr(nonfinite, "_fill_bad_group_kernel", fills)
     x, opts = draw_inputs(mixer, Case(B=1, T=40, H=1, HV=1, K=16, V=16, seed=9), DEVICE)
@@ -234,5 +223,5 @@ def test_flags_and_fills_take_one_launch_per_group(compiled, monkeypatch):
         t.requires_grad_()
     o, _ = mixer.chunk(**x, **opts)
     torch.nan_to_num(o).sum().backward()
-    assert sorted(flags.counts) == [2, 3] and fills.counts == [5], (flags.counts, fills.counts)
+    assert sorted(flags.seen) == [2, 3] and fills.seen == [1, 5], (flags.seen, fills.seen)
     assert x["k"].grad[0, 7, 0, 3].isnan() and x["k"].grad[0, 6].isfinite().all()

@@ -224,7 +224,11 @@ def _finite_copy_kernel(x_ptr, y_ptr, flags_ptr, slot, n, fill, POS: tl.constexp
 
 @triton.jit
 def _fill_bad_part(g_ptr, x_ptr, flag_ptr, n, value, pos, neg, BLOCK: tl.constexpr):
-    # _fill_bad_kernel's work with the ends as runtime flags (one of _fill_bad_group_kernel's tensors)
+    # in place: g = value where x is bad (nan; +inf where pos; -inf where neg); nothing read or
+    # written where the flag says there is no non-finite entry. A bounded grid strides over x
+    # (_flag_grid): a clean input, the common case, costs one load of the flag per program. The
+    # gradients' nan at a bad input (device_nan_at) and the kept intermediates' zeros
+    # (zero_nonfinite_, g_ptr = x_ptr)
     if tl.load(flag_ptr) != 0:
         step = tl.num_programs(0).to(tl.int64) * BLOCK
         for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
@@ -267,26 +271,6 @@ def _fill_bad_group_kernel(g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x
             _fill_bad_part(g7, x7, f7, n7, value, ends & 16384, ends & 32768, BLOCK)
 
 
-@triton.jit
-def _fill_bad_kernel(g_ptr, x_ptr, flag_ptr, n, value, POS: tl.constexpr, NEG: tl.constexpr, BLOCK: tl.constexpr):
-    # in place: g = value where x is bad (nan; +inf with POS; -inf with NEG); nothing read or written
-    # where the flag says there is no non-finite entry. A bounded grid strides over x (_flag_grid): a
-    # clean input, the common case, costs one load of the flag per program. The gradients' nan at a
-    # bad input (device_nan_at) and the kept intermediates' zeros (zero_nonfinite_, g_ptr = x_ptr)
-    if tl.load(flag_ptr) != 0:
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < n
-            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            bad = x != x
-            if POS:
-                bad = bad | (x == float("inf"))
-            if NEG:
-                bad = bad | (x == float("-inf"))
-            tl.store(g_ptr + offs, (tl.zeros([BLOCK], tl.float32) + value).to(g_ptr.dtype.element_ty), mask=m & bad)
-
-
 def _launch_blocks(n: int) -> tuple:
     return (max(1, triton.cdiv(n, BLOCK)),)
 
@@ -317,19 +301,25 @@ def device_nan_at(mixer_ir, names, tensors, grads, bad_flags) -> list:
             out[-1] = g.masked_fill(_bad(spec[n], t, n in rs), math.nan)
             continue
         group.append((g, t.contiguous(), f, g.numel(), int(pos) + 2 * int(neg)))
-    for part in _groups(group):  # one launch for up to GROUP gradients
+    _fill_bad(group, math.nan)
+    return out
+
+
+def _fill_bad(items: list, value) -> None:
+    """g = value at x's bad entries, in place, where x's flag is set, for each (g, x, flag, n, ends)
+    (ends: 1 where +inf is bad, + 2 where -inf is): one launch per GROUP of them."""
+    for part in _groups(items):
         gs, xs, fs, ns, ends = zip(*part)
         _fill_bad_group_kernel[(_flag_grid(max(ns))[0], len(part))](
             *_padded(gs, None), *_padded(xs, None), *_padded(fs, None), *_padded(ns, 0),
-            sum(e << (2 * j) for j, e in enumerate(ends)), math.nan, COUNT=len(part), BLOCK=BLOCK)
-    return out
+            sum(e << (2 * j) for j, e in enumerate(ends)), value, COUNT=len(part), BLOCK=BLOCK)
 
 
 def zero_nonfinite_(x, flag):
     """x (a contiguous tensor this backward owns, or None) with its non-finite entries zeroed in place
     where flag (0-dim int32) is set; returned."""
     if x is not None and x.numel():
-        _fill_bad_kernel[_flag_grid(x.numel())](x, x, flag, x.numel(), 0.0, POS=True, NEG=True, BLOCK=BLOCK)
+        _fill_bad([(x, x, flag, x.numel(), 3)], 0.0)  # ends 3: +inf and -inf are bad too
     return x
 
 
