@@ -102,9 +102,9 @@ def _asked(segments) -> int | None:
 def plan(mixer, batch, segments, offsets) -> Cut | None:
     """The segments this chunk call runs over, or None for one pass: asked for (segments=, else
     LRDSL_SEGMENTS) or chosen by `count` on a GPU outside torch.compile where the maps ride in one
-    wide run (`widens`; the fallback, e.g. rwkv6's or oja's, only asked for); never for an offline solve, a two-sided transition, auxiliary states
-    updated from one another or beside a value-side transition (the maps do not hold), nor for packed
-    sequences whose offsets only the device has."""
+    wide run (`widens`; the fallback, e.g. rwkv6's or oja's, only asked for); never for an offline
+    solve, a two-sided transition, auxiliary states updated from one another or beside a value-side
+    transition (the maps do not hold), nor for packed sequences whose offsets only the device has."""
     n = _asked(segments)
     q = batch.tensors["q"]
     if n is None and (q.device.type != "cuda" or torch.compiler.is_compiling()):
@@ -201,8 +201,8 @@ def chunk(mixer, batch, c: Cut):
     else:  # 2'. the maps from identity-like starts, then every segment from its true incoming state
         right = m.side == "right"  # S_out = S_in L + R
         R, L = fallback_maps(run, lambda k: many(x, k), A, aux_in, through, right=right)
-        S_in = prefix(L, R, right_mul if right else torch.matmul, starts=starts)
-        o, S_out, aux_f = run(x, A + gate(shifted(S_in)), aux_in)
+        S_end = prefix(L, R, right_mul if right else torch.matmul, starts=starts)  # each segment's end
+        o, S_out, aux_f = run(x, A + gate(shifted(S_end)), aux_in)
     o = o.reshape(B, T, HV, V)
     if not batch.output_final_state:
         return o, None
