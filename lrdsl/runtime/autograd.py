@@ -231,8 +231,9 @@ def input_grads(mixer_ir, module, batch, names, tensors, h0, do, dht, needs, sav
         by_name = dict(zip(names, finite))
         order = getattr(module, "INPUTS", ())
         kept = nonfinite.finite_kept(saved, [by_name[n] for n in order] if all(n in by_name for n in order) else None)
-        if residual_owned and residual is not None and residual.is_contiguous() and any(f is not None for f in bad):
-            residual = nonfinite.zero_nonfinite_(residual, torch.stack([f for f in bad if f is not None]).amax())
+        flag = nonfinite.any_flag(bad)
+        if residual_owned and residual is not None and residual.is_contiguous() and flag is not None:
+            residual = nonfinite.zero_nonfinite_(residual, flag)
         else:
             residual = nonfinite.finite_kept(residual)
         grads, dh0, daux = _input_grads(mixer_ir, module, batch, names, finite, h0, do, dht, needs,
@@ -265,9 +266,9 @@ def finite_states(mixer_ir, module, inputs, checked, scale, h0, cu_seqlens, save
     order; residual (the forward's solve, or None) is zeroed in place where a flag is set, and the
     stages made from it."""
     bad = nonfinite.device_flags(mixer_ir, checked, list(inputs.values()))
-    flags = [f for f in bad if f is not None]
-    if residual is not None and flags:  # (in place: the caller's own)
-        nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
+    flag = nonfinite.any_flag(bad)
+    if residual is not None and flag is not None:  # (in place: the caller's own)
+        nonfinite.zero_nonfinite_(residual, flag)
     if saved is not None:
         return None, bad
     st = module._staged_states(inputs, scale, h0, False, cu_seqlens, residual, None, keep_aux=bool(module.CHAIN_AUX),

@@ -315,6 +315,13 @@ def _fill_bad(items: list, value) -> None:
             sum(e << (2 * j) for j, e in enumerate(ends)), value, COUNT=len(part), BLOCK=BLOCK)
 
 
+def any_flag(bad: list):
+    """One 0-dim int32 flag, set where any of bad's is (device_copies' or device_flags' flags, None
+    for an input without one), or None where no input has a flag."""
+    flags = [f for f in bad if f is not None]
+    return torch.stack(flags).amax() if flags else None
+
+
 def zero_nonfinite_(x, flag):
     """x (a contiguous tensor this backward owns, or None) with its non-finite entries zeroed in place
     where flag (0-dim int32) is set; returned."""

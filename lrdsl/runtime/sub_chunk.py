@@ -43,9 +43,9 @@ class SubTokenChunk(torch.autograd.Function):
             st, bad = finite_states(sub, module, inputs, checked, scale, h0, cu, None, residual)
         else:
             finite, bad = nonfinite.device_copies(sub, checked, tensors)
-            flags = [f for f in bad if f is not None]
-            if residual is not None and flags:
-                residual = nonfinite.zero_nonfinite_(residual, torch.stack(flags).amax())
+            flag = nonfinite.any_flag(bad)
+            if residual is not None and flag is not None:
+                residual = nonfinite.zero_nonfinite_(residual, flag)
             inputs = dict(zip(names, finite))
         vgrads, dh0 = module.chunk_bwd(inputs, scale, h0, do, dht, cu, st, residual)
         g = module.chain_rule(inputs, scale, vgrads)
