@@ -19,6 +19,7 @@ pipeline. --nonfinite host|device picks runtime/nonfinite.py's MODE (default: th
     python3 benchmarks/host_overhead.py [SPEC ...] [--reps N] [--dtype bf16|fp32|both]
                                         [--shape B,T,H,K,V] [--profile fwd|both] [--top N]
     python3 benchmarks/host_overhead.py --cuda --shape 4,4096,16,128,128 --reps 20 [--nonfinite host] [SPEC ...]
+    python3 benchmarks/host_overhead.py --cuda --profile both --top 25 SPEC   (cProfile of real launches)
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def main(argv=None):
         from lrdsl.runtime import nonfinite
         nonfinite.MODE = a.nonfinite
     if a.cuda:
-        return cuda_main(a)
+        return cuda_profile(a) if a.profile else cuda_main(a)
     stub_launches()
     torch.set_num_threads(1)
     s = parse_shape(a.shape)
@@ -123,18 +124,7 @@ def main(argv=None):
     if a.profile:
         mixer = lrdsl.compile(a.specs[0])
         fwd, both = steps(mixer, inputs(mixer, s, dtypes[0]))
-        f = fwd if a.profile == "fwd" else both
-        f()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(a.reps):
-            f()
-        prof.disable()
-        for key in ("cumulative", "tottime"):
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(a.top)
-            print(out.getvalue())
-        return
+        return profiled(fwd if a.profile == "fwd" else both, a.reps, a.top)
     print(f"{'spec':32s} {'dtype':8s} {'fwd us':>8s} {'launches':>8s} {'f+b us':>8s} {'launches':>8s}")
     for spec in a.specs:
         mixer = lrdsl.compile(spec)
@@ -143,6 +133,33 @@ def main(argv=None):
             f_us, f_n = timed(fwd, a.reps)
             b_us, b_n = timed(both, a.reps)
             print(f"{os.path.basename(spec):32s} {str(dt)[6:]:8s} {f_us:8.0f} {f_n:8.1f} {b_us:8.0f} {b_n:8.1f}")
+
+
+def profiled(f, reps, top, sync=lambda: None):
+    """cProfile's tables (cumulative, then own time) of reps calls of f after one unprofiled."""
+    f()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        f()
+        sync()
+    prof.disable()
+    for key in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        print(out.getvalue())
+
+
+def cuda_profile(a):
+    """cProfile of the first spec's calls with real launches on the GPU, each call waited for
+    (so a slow launch path shows as host time, not as time queued behind the device)."""
+    from lrdsl.bench import draw
+    mixer = lrdsl.compile(a.specs[0])
+    fwd, both = steps(mixer, draw(mixer, parse_shape(a.shape)))
+    for _ in range(3):
+        both()
+    profiled(fwd if a.profile == "fwd" else both, a.reps, a.top, torch.cuda.synchronize)
 
 
 def cuda_main(a):
