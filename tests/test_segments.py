@@ -194,3 +194,29 @@ def test_the_schedule_cuts_only_where_the_maps_ride_in_one_run(name, compiled, m
     cut = seg.plan(mixer, batch, None, None)
     assert (cut is not None) == (name in ("gated_deltanet", "delta_product2")), cut
     assert cut is None or len(cut.bounds) == seg.count(1, 1, 1, 16384, 132)
+
+
+@pytest.mark.parametrize("n,HV", [(3, 2), (2, 5)])  # a loop over the heads; over the pieces
+def test_finish_reads_the_wide_output_in_place(n, HV):
+    """affine.finish in bf16 (the GEMMs on strided views, affine._Finish) against its float64
+    arithmetic, o_w[..., :V] + C S, forward and both gradients; and _Finish itself through
+    gradcheck in float64, a second derivative included (its backward's einsum)."""
+    from lrdsl.runtime.affine import _Finish, finish
+    t, K, V = 37, 24, 16
+    g = torch.Generator().manual_seed(n * 10 + HV)
+    o_w = torch.randn(n, t, HV, V + K, generator=g, dtype=torch.float64)
+    S = torch.randn(n, HV, K, V, generator=g, dtype=torch.float64)
+    do = torch.randn(n, t, HV, V, generator=g, dtype=torch.float64)
+    ref_w, ref_S = o_w.clone().requires_grad_(), S.clone().requires_grad_()
+    ref = ref_w[..., :V] + torch.einsum("bthk,bhkv->bthv", ref_w[..., V:], ref_S)
+    ref.backward(do)
+    w16, S32 = o_w.bfloat16().requires_grad_(), S.float().requires_grad_()
+    o = finish(w16, V, S32)
+    o.backward(do.bfloat16())
+    assert o.dtype == torch.bfloat16 and o.shape == (n, t, HV, V) and o.is_contiguous()
+    assert rms_ratio(o.double(), ref) < 1e-2
+    assert w16.grad.dtype == torch.bfloat16 and rms_ratio(w16.grad.double(), ref_w.grad) < 1e-2
+    assert S32.grad.dtype == torch.float32 and rms_ratio(S32.grad.double(), ref_S.grad) < 1e-2
+    args = (o_w[:2, :5].clone().requires_grad_(), V, S[:2].clone().requires_grad_())
+    assert torch.autograd.gradcheck(_Finish.apply, args)
+    assert torch.autograd.gradgradcheck(_Finish.apply, args)

@@ -208,3 +208,40 @@ def test_a_dry_pass_leaves_the_calls_output_and_gradients_alone(name, keep, comp
     assert torch.equal(o0, o1) and g0.keys() == g1.keys()
     for n in g0:
         assert torch.equal(g0[n], g1[n]), n
+
+
+def test_a_remembered_choice_is_the_autotuners_own_for_that_key():
+    """tuning.remember_choices on a real triton Autotuner (its own key: the tuning keys' values and
+    each tensor's dtype; choices put in its cache, so nothing is timed): a launch takes the config
+    the autotuner chose for its key, another key value or dtype its own, a repeat the remembered
+    one without asking the autotuner again, and a new space (use_first_configs) is asked anew."""
+    import types
+
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x, K: tl.constexpr, BV: tl.constexpr):
+        pass
+
+    configs = [triton.Config({"BV": 32}), triton.Config({"BV": 64})]
+    tuner = triton.autotune(configs, key=["K"])(kernel)
+    launched = []
+    tuner.fn.run = lambda *args, **kwargs: launched.append(kwargs["BV"])
+    tuner.cache[(16, "torch.float32")] = configs[1]
+    tuner.cache[(16, "torch.bfloat16")] = configs[0]
+    tuner.cache[(32, "torch.float32")] = configs[0]
+    assert tuning.remember_choices(types.SimpleNamespace(k=tuner, other=kernel)) == 1
+    assert tuning.remember_choices(types.SimpleNamespace(k=tuner)) == 0  # once
+    x32, x16 = torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)
+    for x, K in ((x32, 16), (x16, 16), (x32, 32)):
+        tuner.run(x, grid=(1,), warmup=False, K=K)
+    assert launched == [64, 32, 32]
+    tuner.cache.clear()  # a remembered key no longer asks the autotuner (which would time the configs)
+    tuner.run(x32, grid=(1,), warmup=False, K=16)
+    tuner.run(x16, grid=(1,), warmup=False, K=16)
+    assert launched[3:] == [64, 32]
+    tuner.configs = configs[:1]  # a space of one: the autotuner takes it without a key
+    tuner.run(x32, grid=(1,), warmup=False, K=16)
+    assert launched[5:] == [32]

@@ -108,11 +108,64 @@ def wide_run(m, run, x: dict, A, E, aux_in: list) -> tuple:
 def finish(o_w, V: int, S):
     """o from the wide run's [o | C] and the incoming states S [n, HV, K, V]: o + C S, in o's dtype.
     In bf16 or fp16 the product takes S in that dtype too (fp32 sums), as the kernels' own readout
-    of the state does: fp32 copies of C and o cost more than the whole state pass they shorten."""
-    C = o_w[..., V:]
+    of the state does: fp32 copies of C and o cost more than the whole state pass they shorten.
+    On plain tensors `_Finish` reads C and o in place (no copies of the halves, no zero gradient
+    of the wide output); under torch.compile, torch.func or a dispatch mode, the einsum below."""
+    from lrdsl.runtime.autograd import eager
     if o_w.dtype in (torch.bfloat16, torch.float16):
-        return o_w[..., :V] + torch.einsum("bthk,bhkv->bthv", C, S.to(o_w.dtype))
-    return (o_w[..., :V].float() + torch.einsum("bthk,bhkv->bthv", C.float(), S)).to(o_w.dtype)
+        if eager([o_w, S]):
+            return _Finish.apply(o_w, V, S)
+        return o_w[..., :V] + torch.einsum("bthk,bhkv->bthv", o_w[..., V:], S.to(o_w.dtype))
+    return (o_w[..., :V].float() + torch.einsum("bthk,bhkv->bthv", o_w[..., V:].float(), S)).to(o_w.dtype)
+
+
+def _heads(x, i: int, by_head: bool):
+    """Rows of x [n, t, HV, c] as one batch of matrices [., t, c] without a copy: head i of every
+    piece (by_head) or every head of piece i; either way each matrix has unit column stride and one
+    row stride, as a batched GEMM reads them in place."""
+    return x[:, :, i] if by_head else x[i].transpose(0, 1)
+
+
+class _Finish(torch.autograd.Function):
+    """o = o_w[..., :V] + C S per piece and head, in a loop over the heads or over the pieces
+    (whichever is shorter), each a batched GEMM on strided views: the output gets one write, C is
+    read in place, and the backward writes the wide output's gradient [dO | dO S^T] once. One
+    rounding of each output (baddbmm adds o in fp32) where the einsum rounds twice."""
+
+    @staticmethod
+    def forward(ctx, o_w, V, S):
+        n, t, HV, _ = o_w.shape
+        by_head = HV <= n
+        Sd = S.to(o_w.dtype)
+        o = torch.empty(n, t, HV, V, dtype=o_w.dtype, device=o_w.device)
+        for i in range(HV if by_head else n):
+            Si = Sd[:, i] if by_head else Sd[i]
+            torch.baddbmm(_heads(o_w, i, by_head)[..., :V], _heads(o_w, i, by_head)[..., V:], Si,
+                          out=_heads(o, i, by_head))
+        ctx.V, ctx.by_head, ctx.S_dtype = V, by_head, S.dtype
+        ctx.save_for_backward(o_w, Sd)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        o_w, Sd = ctx.saved_tensors
+        V, by_head = ctx.V, ctx.by_head
+        if torch.is_grad_enabled():  # a second derivative: out= writes are not differentiable
+            with torch.enable_grad():
+                o = o_w[..., :V] + torch.einsum("bthk,bhkv->bthv", o_w[..., V:], Sd)
+            g_o, g_S = torch.autograd.grad(o, (o_w, Sd), do, create_graph=True)
+            return g_o, None, g_S.to(ctx.S_dtype)
+        do = do.to(o_w.dtype)
+        d_w = torch.empty_like(o_w)
+        d_w[..., :V].copy_(do)
+        dS = torch.empty_like(Sd)
+        for i in range(o_w.shape[2] if by_head else o_w.shape[0]):
+            Si = Sd[:, i] if by_head else Sd[i]
+            d_i = _heads(do, i, by_head)
+            torch.bmm(d_i, Si.transpose(-1, -2), out=_heads(d_w, i, by_head)[..., V:])
+            dSi = dS[:, i] if by_head else dS[i]
+            torch.bmm(_heads(o_w, i, by_head)[..., V:].transpose(-1, -2), d_i, out=dSi)
+        return d_w, None, dS.to(ctx.S_dtype)
 
 
 def fallback_maps(run, many, A, aux_in: list, through=None, right: bool = False) -> tuple:

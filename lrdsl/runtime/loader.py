@@ -136,4 +136,5 @@ def load(m: ir.Mixer):
     elif tuning.enabled():
         tuning.compile_spaces_at_once(mod)
         tuning.compile_ahead(mod)
+    tuning.remember_choices(mod)
     return mod

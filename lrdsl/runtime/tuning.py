@@ -55,6 +55,54 @@ def compile_loaded_autotuners(package: str) -> int:
     return n
 
 
+def remember_choices(module) -> int:
+    """Give each autotuned kernel of a generated module a memo of its choices: Triton's
+    Autotuner.run makes its key from every argument on every launch (dicts of all of them, each
+    tensor's dtype as a string), some 15 us of host time per launch, a tenth of a millisecond per
+    forward + backward of a delta rule, where the host time is what stands between wall and GPU time
+    (issue 43; benchmarks/host_overhead.py). The memo's key is finer than Triton's (the tuning keys'
+    values, and each argument's dtype or type in order), so a hit takes the config Triton chose for
+    that key; a miss, a config with a pre_hook or a changed space (use_first_configs) goes through
+    Triton's run as before. Returns how many kernels got one."""
+    from triton.runtime.autotuner import Autotuner
+    n = 0
+    for obj in list(vars(module).values()):
+        if isinstance(obj, Autotuner) and not getattr(obj.run, "_lrdsl_memo", False):
+            _remember(obj)
+            n += 1
+    return n
+
+
+def _remember(tuner) -> None:
+    import torch
+    slow, fn = tuner.run, tuner.fn
+    where = {name: i for i, name in enumerate(tuner.arg_names)}
+    keys = tuple(k for k in tuner.keys if k in where)  # (Triton skips a key that is no argument)
+    chosen: dict = {}
+    space = [tuner.configs]
+    tensor = torch.Tensor
+
+    def run(*args, **kwargs):
+        if tuner.configs is not space[0]:  # use_first_configs (or a caller) changed the space
+            chosen.clear()
+            space[0] = tuner.configs
+        key = (tuple([kwargs[k] if k in kwargs else args[where[k]] if where[k] < len(args) else None for k in keys]),
+               tuple([a.dtype if isinstance(a, tensor) else a.__class__ for a in args]),
+               tuple([(k, v.dtype) for k, v in kwargs.items() if isinstance(v, tensor)]))
+        config = chosen.get(key)
+        if config is not None:
+            return fn.run(*args, **kwargs, **config)
+        tuner.best_config = None  # (set by Triton's run; a stand-in that sets none is not remembered)
+        out = slow(*args, **kwargs)
+        best = tuner.best_config
+        if best is not None and best.pre_hook is None and not kwargs.get("warmup"):
+            chosen[key] = best.all_kwargs()
+        return out
+
+    run._lrdsl_memo = True
+    tuner.run = run
+
+
 def _wrap(tuner) -> int:
     if getattr(tuner.run, "_lrdsl_at_once", False):  # a kernel imported by several modules
         return 0
