@@ -111,6 +111,9 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=30, help="rows of each cProfile table")
     ap.add_argument("--cuda", action="store_true", help="on a GPU: real launches (see above)")
     ap.add_argument("--nonfinite", choices=["host", "device"], help="runtime/nonfinite.py's MODE")
+    ap.add_argument("--ab-memo", action="store_true",
+                    help="with --cuda: each spec with the autotuners' remembered choices (tuning.remember_choices) "
+                         "and again without, in one process")
     a = ap.parse_args(argv)
     if a.nonfinite:
         from lrdsl.runtime import nonfinite
@@ -166,12 +169,8 @@ def cuda_main(a):
     """Real launches on the GPU: per call the host ms (the GPU idle at the start) and the wall ms
     (to the device's end), do_bench's median as `lrdsl bench` takes it (here with no torch.profiler
     session before it in the process), and the synchronising calls of one forward + backward."""
-    import warnings
-
-    from triton.testing import do_bench
-
-    from lrdsl.bench import draw, gpu_ms
-    from lrdsl.runtime import nonfinite
+    from lrdsl.bench import draw
+    from lrdsl.runtime import nonfinite, tuning
     s = parse_shape(a.shape)
     print(f"{torch.cuda.get_device_name()}, shape {a.shape}, nonfinite.MODE {nonfinite.MODE}")
     print(f"{'spec':28s} {'fwd host':>8s} {'wall':>7s} {'do_bench':>8s} {'GPU':>7s} {'wall/GPU':>8s} "
@@ -179,37 +178,52 @@ def cuda_main(a):
     for spec in a.specs:
         mixer = lrdsl.compile(spec)
         fwd, both = steps(mixer, draw(mixer, s))
-        row = []
-        for f in (fwd, both):
-            for _ in range(3):
-                f()
-            host, wall = [], []
-            for _ in range(a.reps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                f()
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                host.append(t1 - t0)
-                wall.append(time.perf_counter() - t0)
-            bench_ms = do_bench(f, warmup=25, rep=100, return_mode="median")
-            device_ms = gpu_ms(f)
-            row += [sorted(host)[len(host) // 2] * 1e3, sorted(wall)[len(wall) // 2] * 1e3, bench_ms, device_ms,
-                    bench_ms / device_ms]
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                both()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
-        widths = (8, 7, 8, 7, 8)
-        print(f"{os.path.basename(spec):28s} " + " ".join(f"{v:{widths[i % 5]}.3f}" for i, v in enumerate(row))
-              + f" {len(syncs):5d}")
-        for w in syncs:
-            print(f"    sync: {w.filename}:{w.lineno}: {str(w.message)[:100]}")
+        cuda_row(os.path.basename(spec), fwd, both, a.reps)
+        if a.ab_memo and tuning.forget_choices(mixer.kernels):
+            cuda_row(os.path.basename(spec) + " (no memo)", fwd, both, a.reps)
+            tuning.remember_choices(mixer.kernels)
+            cuda_row(os.path.basename(spec) + " (memo again)", fwd, both, a.reps)
+
+
+def cuda_row(label, fwd, both, reps):
+    """One row of cuda_main's table: fwd's then both's host, wall, do_bench and GPU ms and do_bench
+    over GPU, then the synchronising calls of one forward + backward."""
+    import warnings
+
+    from triton.testing import do_bench
+
+    from lrdsl.bench import gpu_ms
+    row = []
+    for f in (fwd, both):
+        for _ in range(3):
+            f()
+        host, wall = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            host.append(t1 - t0)
+            wall.append(time.perf_counter() - t0)
+        bench_ms = do_bench(f, warmup=25, rep=100, return_mode="median")
+        device_ms = gpu_ms(f)
+        row += [sorted(host)[len(host) // 2] * 1e3, sorted(wall)[len(wall) // 2] * 1e3, bench_ms, device_ms,
+                bench_ms / device_ms]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            both()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    widths = (8, 7, 8, 7, 8)
+    print(f"{label:28s} " + " ".join(f"{v:{widths[i % 5]}.3f}" for i, v in enumerate(row)) + f" {len(syncs):5d}")
+    for w in syncs:
+        print(f"    sync: {w.filename}:{w.lineno}: {str(w.message)[:100]}")
+
 
 if __name__ == "__main__":
     main()

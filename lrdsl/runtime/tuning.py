@@ -99,8 +99,19 @@ def _remember(tuner) -> None:
             chosen[key] = best.all_kwargs()
         return out
 
-    run._lrdsl_memo = True
+    run._lrdsl_memo, run._lrdsl_slow = True, slow
     tuner.run = run
+
+
+def forget_choices(module) -> int:
+    """Undo remember_choices (benchmarks/host_overhead.py --ab-memo times both in one process)."""
+    from triton.runtime.autotuner import Autotuner
+    n = 0
+    for obj in list(vars(module).values()):
+        if isinstance(obj, Autotuner) and getattr(obj.run, "_lrdsl_memo", False):
+            obj.run = obj.run._lrdsl_slow
+            n += 1
+    return n
 
 
 def _wrap(tuner) -> int:
