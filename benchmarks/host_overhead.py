@@ -112,8 +112,8 @@ def main(argv=None):
     ap.add_argument("--cuda", action="store_true", help="on a GPU: real launches (see above)")
     ap.add_argument("--nonfinite", choices=["host", "device"], help="runtime/nonfinite.py's MODE")
     ap.add_argument("--ab-memo", action="store_true",
-                    help="with --cuda: each spec with the autotuners' remembered choices (tuning.remember_choices) "
-                         "and again without, in one process")
+                    help="with --cuda: each spec with the autotuners' remembered choices (tuning.remember_choices, "
+                         "LRDSL_REMEMBER_CHOICES=1), without, and with again, in one process")
     a = ap.parse_args(argv)
     if a.nonfinite:
         from lrdsl.runtime import nonfinite
@@ -178,6 +178,8 @@ def cuda_main(a):
     for spec in a.specs:
         mixer = lrdsl.compile(spec)
         fwd, both = steps(mixer, draw(mixer, s))
+        if a.ab_memo:
+            tuning.remember_choices(mixer.kernels)
         cuda_row(os.path.basename(spec), fwd, both, a.reps)
         if a.ab_memo and tuning.forget_choices(mixer.kernels):
             cuda_row(os.path.basename(spec) + " (no memo)", fwd, both, a.reps)

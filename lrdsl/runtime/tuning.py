@@ -63,7 +63,8 @@ def remember_choices(module) -> int:
     (issue 43; benchmarks/host_overhead.py). The memo's key is finer than Triton's (the tuning keys'
     values, and each argument's dtype or type in order), so a hit takes the config Triton chose for
     that key; a miss, a config with a pre_hook or a changed space (use_first_configs) goes through
-    Triton's run as before. Returns how many kernels got one."""
+    Triton's run as before. Returns how many kernels got one. The loader applies it only with
+    LRDSL_REMEMBER_CHOICES=1 until a GPU shows it faster (docs/kernels/host.md)."""
     from triton.runtime.autotuner import Autotuner
     n = 0
     for obj in list(vars(module).values()):
