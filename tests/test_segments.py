@@ -220,3 +220,27 @@ def test_finish_reads_the_wide_output_in_place(n, HV):
     args = (o_w[:2, :5].clone().requires_grad_(), V, S[:2].clone().requires_grad_())
     assert torch.autograd.gradcheck(_Finish.apply, args)
     assert torch.autograd.gradgradcheck(_Finish.apply, args)
+
+
+@pytest.mark.parametrize("kind", ["left", "right", "elementwise"])
+def test_incoming_states_compose_each_run_and_stop_at_its_start(kind):
+    """affine.incoming against its definition, piece by piece: S_in[j] = S_out[j-1] inside a run
+    and zero where a run starts; S_out[j] = R_j + L_j S_in[j] (S_in[j] L_j for value-side maps,
+    L_j * S_in[j] for auxiliary states); a nan in one run stays out of the next."""
+    from lrdsl.runtime.affine import incoming, right_mul
+    mul = {"left": torch.matmul, "right": right_mul, "elementwise": torch.mul}[kind]
+    g = torch.Generator().manual_seed(len(kind))
+    n, HV, K = 7, 2, 5
+    shape = (n, HV, K) if kind == "elementwise" else (n, HV, K, K)
+    L, R = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    starts = torch.tensor([True, False, False, True, False, True, False])
+    R[2, 0].fill_(float("nan"))  # in the first run only
+    S_in, S_out = incoming(L, R, mul, starts)
+    prev = None
+    for j in range(n):
+        want_in = torch.zeros_like(R[j]) if starts[j] else prev
+        want_out = R[j] if starts[j] else R[j] + mul(L[j], want_in)
+        torch.testing.assert_close(S_in[j], want_in, equal_nan=True)
+        torch.testing.assert_close(S_out[j], want_out, equal_nan=True)
+        prev = want_out
+    assert S_out[:3].isnan().any() and S_out[3:].isfinite().all() and S_in[3:].isfinite().all()

@@ -102,7 +102,8 @@ def wide_run(m, run, x: dict, A, E, aux_in: list) -> tuple:
     aux). E is the identity where the map is wanted (zero where the piece starts its sequence)."""
     V = A.shape[-1]
     o, F, aux = run(widen(m, x, E.shape[-1]), torch.cat([A, E], -1), aux_in)
-    return o, F[..., :V], F[..., V:], aux
+    R, L = F.split([V, E.shape[-1]], -1)  # (one op back: slices' gradients are each a zero-filled F)
+    return o, R, L, aux
 
 
 def finish(o_w, V: int, S):
@@ -201,21 +202,28 @@ def right_mul(L, X):
 
 
 def prefix(L, R, mul=torch.matmul, starts=None):
-    """Inclusive prefix compositions of the maps along dim 0 (log-depth, Hillis-Steele): R[j] becomes
-    the state after piece j from the state before the first piece of its run, i.e.
-    R_j + L_j (R_{j-1} + L_{j-1} (...)). starts ([n] bool, None for none): pieces that begin a run
-    (their sequence starts in them), where the composition stops whatever came before (a select, not
-    a product with L = 0: a nan or inf of one sequence stays out of the next). mul: matmul for S,
-    elementwise for auxiliary states."""
+    """Inclusive compositions of the maps along dim 0: R[j] becomes the state after piece j from the
+    state before the first piece of its run, i.e. R_j + L_j (R_{j-1} + L_{j-1} (...)). starts ([n]
+    bool, None for none): pieces that begin a run (their sequence starts in them), where the
+    composition stops whatever came before (the state entering such a piece is selected to zero,
+    not multiplied by a zero map: a nan or inf of one sequence stays out of the next). mul: matmul
+    for S, elementwise for auxiliary states."""
+    return incoming(L, R, mul, starts)[1]
+
+
+def incoming(L, R, mul=torch.matmul, starts=None) -> tuple:
+    """(S_in, S_out) of the pieces along dim 0: S_out as `prefix` gives it, S_in[j] the state
+    entering piece j from the pieces before it in its run (S_out[j - 1], zero where piece j begins
+    a run, and for the first piece). A walk in order, one product, add and select per piece, on
+    unbound rows stacked at the end: the pieces number a few to some tens, and the backward of a
+    log-depth scan's slices and concatenations (a zero-filled gradient of the whole stack for each
+    slice) cost several times its launches and host time (2026-12-07)."""
     n = L.shape[0]
-    f = torch.zeros(n, dtype=torch.bool, device=L.device) if starts is None else starts
-    shape = (-1,) + (1,) * (R.dim() - 1)
-    d = 1
-    while d < n:
-        stop = f[d:].view(shape)
-        R = torch.cat([R[:d], torch.where(stop, R[d:], mul(L[d:], R[:-d]) + R[d:])])
-        if 2 * d < n:  # the last round's products of L are never read
-            L = torch.cat([L[:d], torch.where(stop, L[d:], mul(L[d:], L[:-d]))])
-        f = torch.cat([f[:d], f[d:] | f[:-d]])
-        d *= 2
-    return R
+    Ls, Rs = L.unbind(0), R.unbind(0)
+    stops = [None] * n if starts is None else starts.unbind(0)
+    zero = torch.zeros((), dtype=R.dtype, device=R.device)
+    outs, ins = [Rs[0]], [torch.zeros_like(Rs[0])]
+    for j in range(1, n):
+        ins.append(outs[-1] if stops[j] is None else torch.where(stops[j], zero, outs[-1]))
+        outs.append(Rs[j] + mul(Ls[j], ins[-1]))
+    return torch.stack(ins), torch.stack(outs)

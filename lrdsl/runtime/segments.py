@@ -4,8 +4,8 @@ The state pass runs one program per sequence, head and value tile, walking its c
 long sequence with few heads leaves most of the GPU idle. Cut at multiples of 64 tokens, the
 segments run as more, shorter sequences in one chunk call, with the algebra of context parallelism
 (affine.py): each segment gets K more value columns whose final state is its map L of the incoming
-state and whose output is each token's readout C_t of it; the maps compose along every sequence in a
-log-depth scan (a segment that starts its sequence has L = 0 and its initial state in R, so one scan
+state and whose output is each token's readout C_t of it; the maps compose along every sequence in
+one walk over the segments (affine.incoming; a segment that starts its sequence has L = 0 and its initial state in R, so one scan
 serves all sequences), then o += C S_in and each sequence's final state is the composed R of its last
 segment. Auxiliary states first take one call (two starts, one value channel) for their own maps.
 A spec that does not widen takes one batched call from identity-like starts for the maps and runs
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lrdsl.errors import InputError
-from lrdsl.runtime.affine import aux_maps, copies, fallback_maps, finish, prefix, right_mul, wide_run, widens
+from lrdsl.runtime.affine import aux_maps, copies, fallback_maps, finish, incoming, right_mul, wide_run, widens
 
 ALIGN = 64  # segment boundaries fall on multiples of every kernel's chunk size
 MIN_LENGTH = 1024  # a segment the schedule makes keeps at least this many tokens
@@ -181,28 +181,24 @@ def chunk(mixer, batch, c: Cut):
     A_aux = [torch.zeros(n, HV, a.width(K, V), **f32) for a in m.aux]
     A_aux = [z if a0 is None else z.index_copy(0, firsts, a0.float()) for z, a0 in zip(A_aux, aux0)]
 
-    def shifted(X):  # X of the segment before (zero before the first)
-        return torch.cat([torch.zeros_like(X[:1]), X[:-1]])
-
     def gate(X):  # X where the segment continues its sequence, zero where it starts one
         return torch.where(through.view(-1, *[1] * (X.dim() - 1)), X, torch.zeros((), dtype=X.dtype, device=dev))
 
     aux_in = []
     if names:  # 1. the auxiliary states entering every segment
         l, r = aux_maps(m, run, many(x, 2), A_aux, [a + gate(torch.ones_like(a)) for a in A_aux])
-        aux_in = [a + gate(shifted(prefix(li, ri, torch.mul, starts))) for a, li, ri in zip(A_aux, l, r)]
+        aux_in = [a + incoming(li, ri, torch.mul, starts)[0] for a, li, ri in zip(A_aux, l, r)]
 
     if widens(m):  # 2. one wide run: o from each own start, the maps and the readouts of S_in
         E = gate(torch.eye(K, **f32).expand(n, HV, K, K))
         o_w, R, L, aux_f = wide_run(m, run, x, A, E, aux_in)
-        S_out = prefix(L, R, starts=starts)
-        S_in = gate(shifted(S_out))
+        S_in, S_out = incoming(L, R, starts=starts)
         o = finish(o_w, V, S_in) if width else _finish_packed(o_w, V, S_in, c, total)
     else:  # 2'. the maps from identity-like starts, then every segment from its true incoming state
         right = m.side == "right"  # S_out = S_in L + R
         R, L = fallback_maps(run, lambda k: many(x, k), A, aux_in, through, right=right)
-        S_end = prefix(L, R, right_mul if right else torch.matmul, starts=starts)  # each segment's end
-        o, S_out, aux_f = run(x, A + gate(shifted(S_end)), aux_in)
+        S_in, _ = incoming(L, R, right_mul if right else torch.matmul, starts=starts)
+        o, S_out, aux_f = run(x, A + S_in, aux_in)
     o = o.reshape(B, T, HV, V)
     if not batch.output_final_state:
         return o, None
