@@ -225,5 +225,15 @@ def incoming(L, R, mul=torch.matmul, starts=None) -> tuple:
     outs, ins = [Rs[0]], [torch.zeros_like(Rs[0])]
     for j in range(1, n):
         ins.append(outs[-1] if stops[j] is None else torch.where(stops[j], zero, outs[-1]))
-        outs.append(Rs[j] + mul(Ls[j], ins[-1]))
+        outs.append(_step(mul, Rs[j], Ls[j], ins[-1]))
     return torch.stack(ins), torch.stack(outs)
+
+
+def _step(mul, R, L, S):
+    """R + mul(L, S) in one operation where there is one (torch.matmul's own reshapes and views cost
+    more host time than its product on these small maps)."""
+    if mul is torch.mul:
+        return torch.addcmul(R, L, S)
+    if R.dim() == 3 and mul in (torch.matmul, right_mul):
+        return torch.baddbmm(R, L, S) if mul is torch.matmul else torch.baddbmm(R, S, L)
+    return R + mul(L, S)
