@@ -126,7 +126,17 @@ def test_backward_bf16_keeping_intermediates(name):
                          "chunk bwd kept")
 
 
-def _check_backward_bf16(mixer, label):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "delta_product2"])
+def test_backward_bf16_in_segments(name):
+    """chunk(..., segments=4) on bf16 inputs: the wide run's output finished on strided views
+    (affine._Finish, bf16 only) and the maps composed piece by piece (affine.incoming); the same
+    tolerances against float64 as one pass."""
+    _check_backward_bf16(lrdsl.compile(os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.lr")),
+                         "chunk bwd, 4 segments", segments=4)
+
+
+def _check_backward_bf16(mixer, label, segments=None):
     B, T, H, HV, K, V = 2, 2048, 4, 4, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = draw(mixer, B, T, H, HV, K, V, torch.bfloat16, "cuda", gen)
@@ -152,7 +162,7 @@ def _check_backward_bf16(mixer, label):
         return {**{n: t.grad for n, t in leaves.items()}, "h0": h.grad}
 
     ref = grads(mixer.reference, torch.float64)
-    got = grads(mixer.chunk, torch.bfloat16)
+    got = grads(mixer.chunk if segments is None else lambda **a: mixer.chunk(**a, segments=segments), torch.bfloat16)
     errs = {n: rms_ratio(got[n], ref[n]) for n in ref}
     print(mixer.name, " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
     RESULTS.append((mixer.name, label, max(errs[n] for n in ("q", "k", "v")),
