@@ -127,6 +127,11 @@ def _heads(x, i: int, by_head: bool):
     return x[:, :, i] if by_head else x[i].transpose(0, 1)
 
 
+def _piece(x, i: int, by_head: bool):
+    """x [n, HV, ...] at head i of every piece (by_head) or at piece i: the maps beside `_heads`."""
+    return x[:, i] if by_head else x[i]
+
+
 class _Finish(torch.autograd.Function):
     """o = o_w[..., :V] + C S per piece and head, in a loop over the heads or over the pieces
     (whichever is shorter), each a batched GEMM on strided views: the output gets one write, C is
@@ -140,9 +145,8 @@ class _Finish(torch.autograd.Function):
         Sd = S.to(o_w.dtype)
         o = torch.empty(n, t, HV, V, dtype=o_w.dtype, device=o_w.device)
         for i in range(HV if by_head else n):
-            Si = Sd[:, i] if by_head else Sd[i]
-            torch.baddbmm(_heads(o_w, i, by_head)[..., :V], _heads(o_w, i, by_head)[..., V:], Si,
-                          out=_heads(o, i, by_head))
+            w = _heads(o_w, i, by_head)
+            torch.baddbmm(w[..., :V], w[..., V:], _piece(Sd, i, by_head), out=_heads(o, i, by_head))
         ctx.V, ctx.by_head, ctx.S_dtype = V, by_head, S.dtype
         ctx.save_for_backward(o_w, Sd)
         return o
@@ -161,11 +165,9 @@ class _Finish(torch.autograd.Function):
         d_w[..., :V].copy_(do)
         dS = torch.empty_like(Sd)
         for i in range(o_w.shape[2] if by_head else o_w.shape[0]):
-            Si = Sd[:, i] if by_head else Sd[i]
             d_i = _heads(do, i, by_head)
-            torch.bmm(d_i, Si.transpose(-1, -2), out=_heads(d_w, i, by_head)[..., V:])
-            dSi = dS[:, i] if by_head else dS[i]
-            torch.bmm(_heads(o_w, i, by_head)[..., V:].transpose(-1, -2), d_i, out=dSi)
+            torch.bmm(d_i, _piece(Sd, i, by_head).transpose(-1, -2), out=_heads(d_w, i, by_head)[..., V:])
+            torch.bmm(_heads(o_w, i, by_head)[..., V:].transpose(-1, -2), d_i, out=_piece(dS, i, by_head))
         return d_w, None, dS.to(ctx.S_dtype)
 
 

@@ -5,8 +5,8 @@ long sequence with few heads leaves most of the GPU idle. Cut at multiples of 64
 segments run as more, shorter sequences in one chunk call, with the algebra of context parallelism
 (affine.py): each segment gets K more value columns whose final state is its map L of the incoming
 state and whose output is each token's readout C_t of it; the maps compose along every sequence in
-one walk over the segments (affine.incoming; a segment that starts its sequence has L = 0 and its initial state in R, so one scan
-serves all sequences), then o += C S_in and each sequence's final state is the composed R of its last
+one walk over the segments (affine.incoming; a segment that starts its sequence has L = 0 and its
+initial state in R, so one walk serves all sequences), then o += C S_in and each sequence's final state is the composed R of its last
 segment. Auxiliary states first take one call (two starts, one value channel) for their own maps.
 A spec that does not widen takes one batched call from identity-like starts for the maps and runs
 the segments again from their true incoming states. Every step is a torch operation, so the

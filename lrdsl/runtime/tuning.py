@@ -65,13 +65,15 @@ def remember_choices(module) -> int:
     that key; a miss, a config with a pre_hook or a changed space (use_first_configs) goes through
     Triton's run as before. Returns how many kernels got one. The loader applies it only with
     LRDSL_REMEMBER_CHOICES=1 until a GPU shows it faster (docs/kernels/host.md)."""
+    tuners = [t for t in _autotuners(module) if not getattr(t.run, "_lrdsl_memo", False)]
+    for t in tuners:
+        _remember(t)
+    return len(tuners)
+
+
+def _autotuners(module) -> list:
     from triton.runtime.autotuner import Autotuner
-    n = 0
-    for obj in list(vars(module).values()):
-        if isinstance(obj, Autotuner) and not getattr(obj.run, "_lrdsl_memo", False):
-            _remember(obj)
-            n += 1
-    return n
+    return [k for k in _kernels(module) if isinstance(k, Autotuner)]
 
 
 def _remember(tuner) -> None:
@@ -106,13 +108,10 @@ def _remember(tuner) -> None:
 
 def forget_choices(module) -> int:
     """Undo remember_choices (benchmarks/host_overhead.py --ab-memo times both in one process)."""
-    from triton.runtime.autotuner import Autotuner
-    n = 0
-    for obj in list(vars(module).values()):
-        if isinstance(obj, Autotuner) and getattr(obj.run, "_lrdsl_memo", False):
-            obj.run = obj.run._lrdsl_slow
-            n += 1
-    return n
+    tuners = [t for t in _autotuners(module) if getattr(t.run, "_lrdsl_memo", False)]
+    for t in tuners:
+        t.run = t.run._lrdsl_slow
+    return len(tuners)
 
 
 def _wrap(tuner) -> int:
