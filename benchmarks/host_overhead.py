@@ -20,6 +20,8 @@ pipeline. --nonfinite host|device picks runtime/nonfinite.py's MODE (default: th
                                         [--shape B,T,H,K,V] [--profile fwd|both] [--top N]
     python3 benchmarks/host_overhead.py --cuda --shape 4,4096,16,128,128 --reps 20 [--nonfinite host] [SPEC ...]
     python3 benchmarks/host_overhead.py --cuda --profile both --top 25 SPEC   (cProfile of real launches)
+    python3 benchmarks/host_overhead.py --cuda --api --top 20 SPEC   (CUDA calls and torch operations)
+    python3 benchmarks/host_overhead.py --cuda --profiler-first ...   (timed after a profiler session)
 """
 from __future__ import annotations
 
@@ -110,6 +112,14 @@ def main(argv=None):
     ap.add_argument("--profile", choices=["fwd", "both"], help="cProfile one spec's calls instead")
     ap.add_argument("--top", type=int, default=30, help="rows of each cProfile table")
     ap.add_argument("--cuda", action="store_true", help="on a GPU: real launches (see above)")
+    ap.add_argument("--api", action="store_true",
+                    help="with --cuda: the CUDA runtime and driver calls (launches, allocations, "
+                         "synchronisations) and torch operations of the first spec's forward + backward, each "
+                         "one's host time per call, under torch.profiler (what in the host time waits on the GPU)")
+    ap.add_argument("--profiler-first", action="store_true",
+                    help="with --cuda: one torch.profiler session (CUDA activity) before any timing, to see "
+                         "whether a profiler that ran earlier in the process (as lrdsl bench's GPU times do) "
+                         "slows the launches after it")
     ap.add_argument("--nonfinite", choices=["host", "device"], help="runtime/nonfinite.py's MODE")
     ap.add_argument("--ab-memo", action="store_true",
                     help="with --cuda: each spec with the autotuners' remembered choices (tuning.remember_choices, "
@@ -119,7 +129,7 @@ def main(argv=None):
         from lrdsl.runtime import nonfinite
         nonfinite.MODE = a.nonfinite
     if a.cuda:
-        return cuda_profile(a) if a.profile else cuda_main(a)
+        return cuda_api(a) if a.api else cuda_profile(a) if a.profile else cuda_main(a)
     stub_launches()
     torch.set_num_threads(1)
     s = parse_shape(a.shape)
@@ -165,14 +175,49 @@ def cuda_profile(a):
     profiled(fwd if a.profile == "fwd" else both, a.reps, a.top, torch.cuda.synchronize)
 
 
+def cuda_api(a, reps=20):
+    """The host side of the first spec's forward + backward under torch.profiler (CPU and CUDA
+    activity): per step, each CUDA runtime or driver call's count and host us (a synchronising one,
+    or a cudaMalloc / cudaFree where the caching allocator missed, shows as a long call), then the
+    top-level torch operations, and the host time those leave to Python (Triton's launch path,
+    lrdsl's host code, autograd)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lrdsl.bench import draw
+    mixer = lrdsl.compile(a.specs[0])
+    fwd, both = steps(mixer, draw(mixer, parse_shape(a.shape)))
+    for _ in range(5):
+        both()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            both()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / reps * 1e6
+    rows = [e for e in p.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    api = sorted([e for e in rows if e.key.startswith(("cuda", "cu"))], key=lambda e: -e.cpu_time_total)
+    ops = sorted([e for e in rows if e.key.startswith("aten::")], key=lambda e: -e.cpu_time_total)
+    print(f"{a.specs[0]}, shape {a.shape}, forward + backward under the profiler: {wall:.0f} us per step")
+    print(f"{'CUDA call':40s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s}")
+    for e in api[:a.top]:
+        print(f"{e.key[:40]:40s} {e.count / reps:10.1f} {e.cpu_time_total / reps:9.1f} {e.cpu_time_total / e.count:8.1f}")
+    print(f"{'torch operation (nested ones too)':40s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s}")
+    for e in ops[:a.top]:
+        print(f"{e.key[:40]:40s} {e.count / reps:10.1f} {e.cpu_time_total / reps:9.1f} {e.cpu_time_total / e.count:8.1f}")
+
+
 def cuda_main(a):
     """Real launches on the GPU: per call the host ms (the GPU idle at the start) and the wall ms
     (to the device's end), do_bench's median as `lrdsl bench` takes it (here with no torch.profiler
     session before it in the process), and the synchronising calls of one forward + backward."""
-    from lrdsl.bench import draw
+    from lrdsl.bench import draw, gpu_ms
     from lrdsl.runtime import nonfinite, tuning
     s = parse_shape(a.shape)
-    print(f"{torch.cuda.get_device_name()}, shape {a.shape}, nonfinite.MODE {nonfinite.MODE}")
+    if a.profiler_first:
+        gpu_ms(lambda: torch.ones(8, device="cuda").sum())
+    print(f"{torch.cuda.get_device_name()}, shape {a.shape}, nonfinite.MODE {nonfinite.MODE}"
+          + (", after a profiler session" if a.profiler_first else ""))
     print(f"{'spec':28s} {'fwd host':>8s} {'wall':>7s} {'do_bench':>8s} {'GPU':>7s} {'wall/GPU':>8s} "
           f"{'f+b host':>8s} {'wall':>7s} {'do_bench':>8s} {'GPU':>7s} {'wall/GPU':>8s} {'syncs':>5s}  (ms)")
     for spec in a.specs:
@@ -195,8 +240,8 @@ def cuda_row(label, fwd, both, reps):
     from triton.testing import do_bench
 
     from lrdsl.bench import gpu_ms
-    row = []
-    for f in (fwd, both):
+    walls = []
+    for f in (fwd, both):  # every host and wall time before the row's profiler sessions (gpu_ms)
         for _ in range(3):
             f()
         host, wall = [], []
@@ -208,10 +253,12 @@ def cuda_row(label, fwd, both, reps):
             torch.cuda.synchronize()
             host.append(t1 - t0)
             wall.append(time.perf_counter() - t0)
-        bench_ms = do_bench(f, warmup=25, rep=100, return_mode="median")
+        walls.append((sorted(host)[len(host) // 2] * 1e3, sorted(wall)[len(wall) // 2] * 1e3,
+                      do_bench(f, warmup=25, rep=100, return_mode="median")))
+    row = []
+    for f, (host_ms, wall_ms, bench_ms) in zip((fwd, both), walls):
         device_ms = gpu_ms(f)
-        row += [sorted(host)[len(host) // 2] * 1e3, sorted(wall)[len(wall) // 2] * 1e3, bench_ms, device_ms,
-                bench_ms / device_ms]
+        row += [host_ms, wall_ms, bench_ms, device_ms, bench_ms / device_ms]
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -245,3 +245,24 @@ def test_a_remembered_choice_is_the_autotuners_own_for_that_key():
     tuner.configs = configs[:1]  # a space of one: the autotuner takes it without a key
     tuner.run(x32, grid=(1,), warmup=False, K=16)
     assert launched[5:] == [32]
+
+
+@pytest.mark.parametrize("env, memo", [(None, True), ("0", False)])
+def test_the_loader_gives_each_autotuner_its_memo_unless_told_not_to(monkeypatch, env, memo):
+    """runtime/loader.py applies remember_choices to every module it imports (measured on the GPU:
+    docs/kernels/host.md), and LRDSL_REMEMBER_CHOICES=0 leaves Triton's own run."""
+    import sys
+
+    import lrdsl
+    from lrdsl.runtime import loader
+    if env is None:
+        monkeypatch.delenv("LRDSL_REMEMBER_CHOICES", raising=False)
+    else:
+        monkeypatch.setenv("LRDSL_REMEMBER_CHOICES", env)
+    m = lrdsl.compile("examples/gated_deltanet.lr")
+    names = [n for n in sys.modules if n.startswith(f"lrdsl_generated_{m.ir.name}_")]
+    for n in names:
+        monkeypatch.delitem(sys.modules, n)  # imported anew here, as it was before the test
+    mod = loader.load(m.ir)
+    tuners = tuning._autotuners(mod)
+    assert tuners and all(getattr(t.run, "_lrdsl_memo", False) == memo for t in tuners)

@@ -136,6 +136,6 @@ def load(m: ir.Mixer):
     elif tuning.enabled():
         tuning.compile_spaces_at_once(mod)
         tuning.compile_ahead(mod)
-    if os.environ.get("LRDSL_REMEMBER_CHOICES") == "1":  # not yet shown faster on a GPU: docs/kernels/host.md
+    if os.environ.get("LRDSL_REMEMBER_CHOICES", "1") != "0":  # measured: docs/kernels/host.md
         tuning.remember_choices(mod)
     return mod

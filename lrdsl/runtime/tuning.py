@@ -63,8 +63,8 @@ def remember_choices(module) -> int:
     (issue 43; benchmarks/host_overhead.py). The memo's key is finer than Triton's (the tuning keys'
     values, and each argument's dtype or type in order), so a hit takes the config Triton chose for
     that key; a miss, a config with a pre_hook or a changed space (use_first_configs) goes through
-    Triton's run as before. Returns how many kernels got one. The loader applies it only with
-    LRDSL_REMEMBER_CHOICES=1 until a GPU shows it faster (docs/kernels/host.md)."""
+    Triton's run as before. Returns how many kernels got one. The loader applies it unless
+    LRDSL_REMEMBER_CHOICES=0 (measured in docs/kernels/host.md)."""
     tuners = [t for t in _autotuners(module) if not getattr(t.run, "_lrdsl_memo", False)]
     for t in tuners:
         _remember(t)
