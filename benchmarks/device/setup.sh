@@ -2,8 +2,23 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 mkdir -p /tmp/tc; [ -f .gpucache/tc.tgz ] && tar xzf .gpucache/tc.tgz -C /tmp
+# compiled kernels of an earlier call (SAVE_BINS=1 there): a cold compile of the GPU suite's kernels
+# took most of a 560 s call on a fresh machine (2026-12-07)
+ls .gpucache/tcbin.part* >/dev/null 2>&1 && cat .gpucache/tcbin.part* | tar xzf - -C /tmp
 LR="python3 -m lrdsl.cli"
-savecache() { (cd /tmp && find tc -name '*.autotune.json' | tar czf $OUT/tc.tgz -T -); }
+savecache() {
+    (cd /tmp && find tc -name '*.autotune.json' | tar czf $OUT/tc.tgz -T -)
+    [ "${SAVE_BINS:-0}" = 1 ] && savebins
+}
+# Triton loads a cached kernel from its .json files and its binary alone (runtime/cache.py's
+# get_group keeps the files that exist), so the IRs stay behind; four parts of 15 MiB at most, as
+# many as the call's returned files allow beside tc.tgz and logs.tgz
+savebins() {
+    (cd /tmp && find tc \( -name '*.cubin' -o -name '*.json' \) ! -name '*.autotune.json' | tar czf /tmp/bins.tgz -T -)
+    local mb=$(( $(stat -c %s /tmp/bins.tgz) / 1048576 ))
+    if [ $mb -lt 50 ]; then split -b 15m -d -a 2 /tmp/bins.tgz $OUT/tcbin.part; echo "compiled kernels: ${mb} MiB saved"
+    else echo "compiled kernels: ${mb} MiB, too many to return; not saved"; fi
+}
 mkdir -p $OUT/logs
 trap 'savecache; tar czf $OUT/logs.tgz -C $OUT logs 2>/dev/null; rm -rf $OUT/logs' EXIT
 # g NAME CMD...: CMD within what is left of the call's BUDGET seconds (default 540), its output
