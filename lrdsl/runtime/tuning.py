@@ -90,7 +90,7 @@ def _remember(tuner) -> None:
             chosen.clear()
             space[0] = tuner.configs
         key = (tuple([kwargs[k] if k in kwargs else args[where[k]] if where[k] < len(args) else None for k in keys]),
-               tuple([a.dtype if isinstance(a, tensor) else a.__class__ for a in args]),
+               tuple([getattr(a, "dtype", a.__class__) for a in args]),  # (Triton's rule: what has a dtype)
                tuple([(k, v.dtype) for k, v in kwargs.items() if isinstance(v, tensor)]))
         config = chosen.get(key)
         if config is not None:
