@@ -451,17 +451,29 @@ def table_row(r: dict, peak=None) -> str:
             f"{ratio('both_ms')} | {mem} | {r.get('twin', '-')} | " + " | ".join(roof) + " |")
 
 
-def kernel_tables(r: dict) -> str:
+def kernel_tables(r: dict, counts: dict | None = None, peak=None) -> str:
     """lrdsl's per-kernel tables of one row (measure(..., per_kernel=True)): each kernel's GPU time
-    and share of the call's, forward and forward + backward."""
+    and share of the call's, forward and forward + backward; with counts (census.of's) each
+    kernel's roofline too."""
     from lrdsl import roofline
     out = []
     for key, what in (("fwd", "forward"), ("both", "forward + backward")):
         if key + "_kernels" in r["lrdsl"]:
-            out.append(f"{r['mixer']} {what}, per kernel (GPU time per call):")
+            c = None if counts is None else counts.get(key)
+            out.append(f"{r['mixer']} {what}, per kernel (GPU time per call"
+                       + ("; FLOPs and bytes counted by lrdsl.census):" if c is not None else "):"))
             kernels = r["lrdsl"][key + "_kernels"]  # shares of their own sum: one profiled run
-            out.append(roofline.kernel_table(kernels, sum(k[1] for k in kernels)))
+            out.append(roofline.kernel_table(kernels, sum(k[1] for k in kernels), _by_kernel_name(kernels, c), peak))
     return "\n".join(out)
+
+
+def _by_kernel_name(kernels: list, counts: dict | None) -> dict | None:
+    """The census' counts under the names the profiler gave the kernels (the same function names;
+    one without its "_kernel" suffix also matches)."""
+    if counts is None:
+        return None
+    return {k[0]: counts.get(k[0], counts.get(k[0] + "_kernel")) for k in kernels
+            if k[0] in counts or k[0] + "_kernel" in counts}
 
 
 # ---- decode: one token per sequence through step, inside a CUDA graph ----------------------------

@@ -97,8 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fla", dest="fla", action="store_false",
                    help="time lrdsl alone (by default FLA's twin is timed when fla-core is importable)")
     b.add_argument("--per-kernel", action="store_true",
-                   help="also print each of lrdsl's kernels' GPU time and share of the call (torch.profiler), "
-                        "under the table")
+                   help="also print each of lrdsl's kernels' GPU time and share of the call (torch.profiler) "
+                        "and its roofline (FLOPs and bytes counted by lrdsl.census in Triton's interpreter on the "
+                        "CPU, some seconds per spec), under the table")
     b.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
                    help="the GPU's dense bf16 peak for the roofline columns (default: from the device's name: "
                         "H100 SXM 989, H200 989)")
@@ -112,6 +113,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="the batch sizes of --decode (default 1,8,64,256)")
     _mqar_parser(sub)
     return p
+
+
+def _census(path: str, shape, backward: bool):
+    """lrdsl.census' counts for --per-kernel's roofline, or None (said on stderr) where it failed."""
+    import subprocess
+
+    from lrdsl import census
+    print(f"  {path}: counting each kernel's FLOPs and bytes (lrdsl.census, Triton's interpreter)",
+          file=sys.stderr, flush=True)
+    try:
+        return census.of(path, shape, backward)
+    except (subprocess.CalledProcessError, ValueError) as e:
+        tail = getattr(e, "stderr", "") or str(e)
+        print(f"  {path}: no census ({tail.strip().splitlines()[-1] if tail.strip() else e}); the per-kernel "
+              "table has GPU times only", file=sys.stderr, flush=True)
+        return None
 
 
 def _ints(text: str) -> tuple:
@@ -227,7 +244,7 @@ def cmd_bench(args) -> int:
                               **({"per_kernel": True} if args.per_kernel else {}))
             print(bench.table_row(row, peak), flush=True)
             if args.per_kernel:
-                kernels.append(bench.kernel_tables(row))
+                kernels.append(bench.kernel_tables(row, _census(path, shape, backward), peak))
             if args.keep_intermediates:
                 row = bench.bench(compile(path, keep_intermediates=True), shape, True, False,
                                   log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -102,12 +102,44 @@ def cells(r: dict) -> list:
     return [f"{r['tflops']:.1f}", f"{r['gbps']:.0f}", pct(r["pct_flops"]), pct(r["pct_bw"])]
 
 
-def kernel_table(kernels: list, total_ms: float) -> str:
+def kernel_table(kernels: list, total_ms: float, counts: dict | None = None, peak: Peak | None = None) -> str:
     """Per-kernel rows (name, GPU ms per call, launches per call) as markdown, with each one's share of
-    the call's GPU time, longest first."""
-    lines = ["| kernel | launches | GPU ms | share |", "|---|---|---|---|"]
+    the call's GPU time, longest first; with counts (census.census': kernel name -> Counts) also each
+    kernel's TFLOP/s and GB/s at its time and their shares of the peaks, and the call's."""
+    head = "| kernel | launches | GPU ms | share |"
+    if counts is not None:
+        head += " TFLOP/s | GB/s | % bf16 peak | % bandwidth |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def roof(flops, nbytes_, ms):
+        return " " + " | ".join(cells(rates(flops, nbytes_, ms, peak))) + " |" if ms > 0 else " - | - | - | - |"
     for name, ms, n in sorted(kernels, key=lambda k: -k[1]):
         share = 100 * ms / total_ms if total_ms > 0 else 0.0
-        lines.append(f"| {name} | {n:g} | {ms:.3f} | {share:.1f}% |")
-    lines.append(f"| (all) | {sum(k[2] for k in kernels):g} | {total_ms:.3f} | 100.0% |")
+        row = f"| {name} | {n:g} | {ms:.3f} | {share:.1f}% |"
+        if counts is not None:
+            c = counts.get(name)
+            row += roof(c.flop, c.bytes, ms) if c is not None else " - | - | - | - |"
+        lines.append(row)
+    row = f"| (all) | {sum(k[2] for k in kernels):g} | {total_ms:.3f} | 100.0% |"
+    if counts is not None:
+        timed = [counts[k[0]] for k in kernels if k[0] in counts]
+        row += roof(sum(c.flop for c in timed), sum(c.bytes for c in timed), total_ms)
+    lines.append(row)
+    return "\n".join(lines)
+
+
+def count_table(counts: dict) -> str:
+    """census.census' counts as markdown: per kernel launches, GFLOP, MB loaded and stored, and the
+    FLOPs per byte; then the call's."""
+    lines = ["| kernel | launches | GFLOP | MB loaded | MB stored | FLOP/byte |", "|---|---|---|---|---|---|"]
+
+    def row(name, c):
+        per = f"{c.flop / c.bytes:.1f}" if c.bytes else "-"
+        return (f"| {name} | {c.launches:g} | {c.flop / 1e9:.2f} | {c.load_bytes / 1e6:.1f} | "
+                f"{c.store_bytes / 1e6:.1f} | {per} |")
+    for name, c in sorted(counts.items(), key=lambda kv: -kv[1].bytes):
+        lines.append(row(name, c))
+    if counts:
+        from functools import reduce
+        lines.append(row("(all)", reduce(lambda a, b: a + b, counts.values())))
     return "\n".join(lines)

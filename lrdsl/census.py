@@ -1,0 +1,208 @@
+"""The census of a chunked call: for each kernel it launches, the tensor-core FLOPs (every tl.dot,
+2 M N K) and the bytes its loads and stores ask for (every masked-in element at its pointer's width),
+counted by running the generated kernels in Triton's interpreter, on the CPU.
+
+The counts are the kernels' own, not the algorithm's (roofline.py counts those): a tile loaded twice
+counts twice, as the kernel asks for it twice (on the GPU the second may come from a cache), so the
+bytes are the traffic the kernel requests, an upper bound of what reaches memory; elementwise
+arithmetic is not counted. Inputs are fp16, as wide as bf16 (the interpreter's bf16 products are not
+exact: docs/gpu.md), so every tensor the GPU keeps in bf16 counts two bytes here too. The kernels take
+the first config of each tuning space (LRDSL_AUTOTUNE=0's choice); the GPU's tuned tiles can differ.
+
+Each kernel's counts are affine in the number of chunks per sequence and proportional to
+sequences x heads, so the call is counted at B = H = 1 for two lengths and the line through them is
+taken at the asked shape: exact where the shape holds whole chunks (tests/test_census.py), every
+kernel's programs walking or taking whole chunks.
+
+    python -m lrdsl.census SPEC [--shape B,T,H,K,V] [--backward] [--json]
+(sets TRITON_INTERPRET=1 and hides any GPU for itself; `lrdsl bench --per-kernel` runs it so).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    launches: float = 0.0
+    flop: float = 0.0
+    load_bytes: float = 0.0
+    store_bytes: float = 0.0
+
+    def __add__(self, o: "Counts") -> "Counts":
+        return Counts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
+
+    def scaled(self, f: float) -> "Counts":
+        return Counts(*(a * f for a in dataclasses.astuple(self)))
+
+    @property
+    def bytes(self) -> float:
+        return self.load_bytes + self.store_bytes
+
+
+def _width(dtype) -> int:
+    return max(1, dtype.primitive_bitwidth // 8)
+
+
+@contextlib.contextmanager
+def counting():
+    """Within: every kernel launched through Triton's interpreter adds to the dict yielded (kernel
+    name -> Counts)."""
+    import triton.runtime.interpreter as interp
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the census runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before lrdsl is imported (python -m lrdsl.census does)")
+    found: dict = {}
+    current = ["?"]
+
+    def add(**kw):
+        found[current[0]] = found.get(current[0], Counts()) + Counts(**kw)
+
+    builder, grid_exec = interp.InterpreterBuilder, interp.GridExecutor
+    saved = {n: getattr(builder, n) for n in ("create_dot", "create_masked_load", "create_masked_store",
+                                              "create_atomic_rmw")}
+    saved_call = grid_exec.__call__
+
+    def dot(self, a, b, d, *rest):
+        shape = a.data.shape
+        add(flop=2.0 * float(torch.Size(shape[:-1]).numel()) * shape[-1] * b.data.shape[-1])
+        return saved["create_dot"](self, a, b, d, *rest)
+
+    def load(self, ptrs, mask, *rest):
+        add(load_bytes=float(mask.data.sum()) * _width(ptrs.get_element_ty()))
+        return saved["create_masked_load"](self, ptrs, mask, *rest)
+
+    def store(self, ptrs, value, mask, *rest):
+        add(store_bytes=float(mask.data.sum()) * _width(ptrs.get_element_ty()))
+        return saved["create_masked_store"](self, ptrs, value, mask, *rest)
+
+    def atomic(self, op, ptr, val, mask, *rest):
+        n = float(mask.data.sum()) * _width(ptr.get_element_ty())
+        add(load_bytes=n, store_bytes=n)
+        return saved["create_atomic_rmw"](self, op, ptr, val, mask, *rest)
+
+    def call(self, *args, **kwargs):
+        outer, current[0] = current[0], getattr(self.fn, "__name__", "?")
+        add(launches=1.0)
+        try:
+            return saved_call(self, *args, **kwargs)
+        finally:
+            current[0] = outer
+
+    for name, f in (("create_dot", dot), ("create_masked_load", load), ("create_masked_store", store),
+                    ("create_atomic_rmw", atomic)):
+        setattr(builder, name, f)
+    grid_exec.__call__ = call
+    try:
+        yield found
+    finally:
+        for name, f in saved.items():
+            setattr(builder, name, f)
+        grid_exec.__call__ = saved_call
+
+
+def counted(step) -> dict:
+    """kernel name -> Counts of one step()."""
+    with counting() as found:
+        step()
+    return found
+
+
+def _steps(mixer, s, backward: bool):
+    from lrdsl.bench import draw
+    x = draw(mixer, s, dtype=torch.float16, device="cpu")
+
+    def fwd():
+        with torch.no_grad():
+            mixer.chunk(**x)
+    if not backward:
+        return fwd
+    leaves = [t.requires_grad_() for t in x.values() if t.is_floating_point()]
+    do = torch.randn_like(mixer.chunk(**x)[0].detach())
+
+    def both():
+        mixer.chunk(**x)[0].backward(do)
+        for t in leaves:
+            t.grad = None
+    return both
+
+
+def lengths(mixer) -> tuple:
+    """The two sequence lengths the census counts at: 2 and 4 chunks of the plan's staged forward."""
+    from lrdsl.roofline import chunk_size
+    bt = chunk_size(mixer)
+    return 2 * bt, 4 * bt
+
+
+def census(mixer, s, backward: bool = False) -> dict:
+    """kernel name -> Counts of one call at shape s (forward, or forward + backward), from two counted
+    calls at B = H = 1 (see the module's docstring)."""
+    from lrdsl.bench import Shape
+    t1, t2 = lengths(mixer)
+    one = {t: counted(_steps(mixer, Shape(1, t, 1, s.K, s.V), backward)) for t in (t1, t2)}
+    out = {}
+    for name in sorted(set(one[t1]) | set(one[t2])):
+        c1, c2 = one[t1].get(name, Counts()), one[t2].get(name, Counts())
+        slope = (c2 + c1.scaled(-1.0)).scaled(1.0 / (t2 - t1))
+        at = (c1 + slope.scaled(s.T - t1)).scaled(s.B * s.H)
+        out[name] = dataclasses.replace(at, launches=c2.launches)  # per call, whatever the shape
+    return out
+
+
+def of(spec: str, s, backward: bool) -> dict:
+    """{"fwd": counts[, "both": counts]} of a spec file at shape s, counted in a process of its own
+    (this one may have its kernels on a GPU): `lrdsl bench --per-kernel`'s roofline per kernel."""
+    import subprocess
+    shape = f"{s.B},{s.T},{s.H},{s.K},{s.V}"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-m", "lrdsl.census", spec, "--shape", shape, "--json",
+                          *(["--backward"] if backward else [])], env=env, capture_output=True, text=True, check=True)
+    raw = json.loads(out.stdout.strip().splitlines()[-1])
+    return {key: {n: Counts(**c) for n, c in calls.items()} for key, calls in raw.items()}
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m lrdsl.census", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", help="path to a .lr spec file")
+    ap.add_argument("--shape", default="4,4096,16,128,128", metavar="B,T,H,K,V",
+                    help="the shape to count at (default 4,4096,16,128,128)")
+    ap.add_argument("--backward", action="store_true", help="count forward + backward (default: forward)")
+    ap.add_argument("--json", action="store_true", help="print {kernel: {launches, flop, load_bytes, store_bytes}}")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # a process of its own, interpreter on, no GPU
+        import subprocess
+        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+        return subprocess.call([sys.executable, "-m", "lrdsl.census", *(argv if argv is not None else sys.argv[1:])],
+                               env=env)
+    import lrdsl
+    from lrdsl.bench import parse_shape
+    from lrdsl.errors import LrdslError
+    try:
+        mixer = lrdsl.compile(a.spec)
+        s = parse_shape(a.shape)
+    except (LrdslError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json:  # both calls where --backward: `of`'s answer
+        calls = ("fwd", "both") if a.backward else ("fwd",)
+        print(json.dumps({key: {n: dataclasses.asdict(c) for n, c in census(mixer, s, key == "both").items()}
+                          for key in calls}))
+        return 0
+    found = census(mixer, s, a.backward)
+    from lrdsl.roofline import count_table
+    print(f"{os.path.basename(a.spec)} at {a.shape}, {'forward + backward' if a.backward else 'forward'}, "
+          "counted in Triton's interpreter (fp16 inputs, first configs):")
+    print(count_table(found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""lrdsl.census: each kernel's FLOPs and bytes counted in Triton's interpreter, and their
+extrapolation from two short calls to a shape."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import lrdsl
+from lrdsl import census
+from lrdsl.bench import Shape
+
+
+@triton.jit
+def _known(a_ptr, b_ptr, x_ptr, c_ptr, n_x, n_rows):
+    # one [16, 32] x [32, 16] product of fp16 tiles, a masked fp32 vector, a masked fp32 store
+    r16, r32 = tl.arange(0, 16), tl.arange(0, 32)
+    a = tl.load(a_ptr + r16[:, None] * 32 + r32[None, :])
+    b = tl.load(b_ptr + r32[:, None] * 16 + r16[None, :])
+    x = tl.load(x_ptr + r16, mask=r16 < n_x, other=0.0)
+    c = tl.dot(a, b) + x[None, :]
+    tl.store(c_ptr + r16[:, None] * 16 + r16[None, :], c, mask=(r16 < n_rows)[:, None])
+
+
+def test_the_counts_of_a_kernel_written_by_hand():
+    """Three programs of one product each (2 x 16 x 32 x 16 FLOPs), two full fp16 tiles (2 x 512 x 2
+    bytes), 10 of 16 fp32 entries loaded and 12 of 16 fp32 rows stored."""
+    a, b = torch.randn(16, 32, dtype=torch.float16), torch.randn(32, 16, dtype=torch.float16)
+    x, c = torch.randn(16), torch.full((16, 16), float("nan"))
+    found = census.counted(lambda: _known[(3,)](a, b, x, c, 10, 12))
+    assert set(found) == {"_known"}
+    got = found["_known"]
+    assert got.launches == 1
+    assert got.flop == 3 * 2 * 16 * 32 * 16
+    assert got.load_bytes == 3 * (2 * 512 * 2 + 10 * 4)
+    assert got.store_bytes == 3 * 12 * 16 * 4
+    assert torch.isnan(c[12:]).all() and torch.isfinite(c[:12]).all()  # the kernel ran as counted
+
+
+@pytest.mark.parametrize("name,backward", [("linear_attention", True), ("gated_deltanet", False),
+                                           ("gated_deltanet", True), ("gla", True)])
+def test_the_census_at_a_shape_is_the_count_at_that_shape(name, backward):
+    """census() counts at B = H = 1 for two lengths and extrapolates; a direct count at another
+    length, batch and head count must agree kernel by kernel (launches, FLOPs, bytes)."""
+    mixer = lrdsl.compile(f"examples/{name}.lr")
+    t1, t2 = census.lengths(mixer)
+    s = Shape(2, 2 * t2 - t1 // 2, 3, 32, 32)  # neither length (7 chunks of 64 tokens)
+    want = census.counted(census._steps(mixer, s, backward))
+    got = census.census(mixer, s, backward)
+    assert set(got) == set(want) and want
+    for k in want:
+        for f in ("launches", "flop", "load_bytes", "store_bytes"):
+            assert getattr(got[k], f) == pytest.approx(getattr(want[k], f), rel=1e-9), (k, f)
+    assert sum(c.flop for c in want.values()) > 0 and sum(c.store_bytes for c in want.values()) > 0
+
+
+def test_the_census_command_prints_its_table_and_says_what_is_wrong():
+    ok = subprocess.run([sys.executable, "-m", "lrdsl.census", "examples/retnet.lr", "--shape", "1,256,2,32,32"],
+                        capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr
+    assert "| staged_state_kernel |" in ok.stdout and "| (all) |" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "lrdsl.census", "examples/retnet.lr", "--shape", "1,256"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "B,T,H,K,V" in bad.stderr and "Traceback" not in bad.stderr
