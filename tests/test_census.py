@@ -42,7 +42,8 @@ def test_the_counts_of_a_kernel_written_by_hand():
 
 
 @pytest.mark.parametrize("name,backward", [("linear_attention", True), ("gated_deltanet", False),
-                                           ("gated_deltanet", True), ("gla", True)])
+                                           ("gated_deltanet", True),
+                                           pytest.param("gla", True, marks=pytest.mark.slow)])
 def test_the_census_at_a_shape_is_the_count_at_that_shape(name, backward):
     """census() counts at B = H = 1 for two lengths and extrapolates; a direct count at another
     length, batch and head count must agree kernel by kernel (launches, FLOPs, bytes)."""
