@@ -7,14 +7,15 @@ counts twice, as the kernel asks for it twice (on the GPU the second may come fr
 bytes are the traffic the kernel requests, an upper bound of what reaches memory; elementwise
 arithmetic is not counted. Inputs are fp16, as wide as bf16 (the interpreter's bf16 products are not
 exact: docs/gpu.md), so every tensor the GPU keeps in bf16 counts two bytes here too. The kernels take
-the first config of each tuning space (LRDSL_AUTOTUNE=0's choice); the GPU's tuned tiles can differ.
+the first config of each tuning space (LRDSL_AUTOTUNE=0's choice) unless --configs names theirs
+(`lrdsl bench --per-kernel` passes the tiles its autotuners chose: tuning.chosen).
 
 Each kernel's counts are affine in the number of chunks per sequence and proportional to
 sequences x heads, so the call is counted at B = H = 1 for two lengths and the line through them is
 taken at the asked shape: exact where the shape holds whole chunks (tests/test_census.py), every
 kernel's programs walking or taking whole chunks.
 
-    python -m lrdsl.census SPEC [--shape B,T,H,K,V] [--backward] [--json]
+    python -m lrdsl.census SPEC [--shape B,T,H,K,V] [--backward] [--json] [--configs JSON]
 (sets TRITON_INTERPRET=1 and hides any GPU for itself; `lrdsl bench --per-kernel` runs it so).
 """
 from __future__ import annotations
@@ -155,14 +156,17 @@ def census(mixer, s, backward: bool = False) -> dict:
     return out
 
 
-def of(spec: str, s, backward: bool) -> dict:
+def of(spec: str, s, backward: bool, configs: dict | None = None) -> dict:
     """{"fwd": counts[, "both": counts]} of a spec file at shape s, counted in a process of its own
-    (this one may have its kernels on a GPU): `lrdsl bench --per-kernel`'s roofline per kernel."""
+    (this one may have its kernels on a GPU): `lrdsl bench --per-kernel`'s roofline per kernel.
+    configs: kernel name -> the meta-parameters to count it with (tuning.chosen's: the tiles the
+    GPU's autotuners chose), else each kernel's first config."""
     import subprocess
     shape = f"{s.B},{s.T},{s.H},{s.K},{s.V}"
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-m", "lrdsl.census", spec, "--shape", shape, "--json",
-                          *(["--backward"] if backward else [])], env=env, capture_output=True, text=True, check=True)
+                          *(["--backward"] if backward else []), *(["--configs", json.dumps(configs)] if configs else [])],
+                         env=env, capture_output=True, text=True, check=True)
     raw = json.loads(out.stdout.strip().splitlines()[-1])
     return {key: {n: Counts(**c) for n, c in calls.items()} for key, calls in raw.items()}
 
@@ -175,7 +179,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="4,4096,16,128,128", metavar="B,T,H,K,V",
                     help="the shape to count at (default 4,4096,16,128,128)")
     ap.add_argument("--backward", action="store_true", help="count forward + backward (default: forward)")
-    ap.add_argument("--json", action="store_true", help="print {kernel: {launches, flop, load_bytes, store_bytes}}")
+    ap.add_argument("--json", action="store_true",
+                    help='print {"fwd": {kernel: {launches, flop, load_bytes, store_bytes}}} (and "both" with --backward)')
+    ap.add_argument("--configs", metavar="JSON", help='the meta-parameters to count kernels with, as '
+                    '{"staged_state_kernel": {"BV": 64}, ...} (default: each kernel\'s first config)')
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":  # a process of its own, interpreter on, no GPU
         import subprocess
@@ -185,12 +192,17 @@ def main(argv=None) -> int:
     import lrdsl
     from lrdsl.bench import parse_shape
     from lrdsl.errors import LrdslError
+    from lrdsl.runtime import tuning
     try:
         mixer = lrdsl.compile(a.spec)
         s = parse_shape(a.shape)
+        configs = json.loads(a.configs) if a.configs else {}
+        if not isinstance(configs, dict) or not all(isinstance(c, dict) for c in configs.values()):
+            raise ValueError('--configs takes a JSON object of objects, {"kernel name": {"BV": 64}, ...}')
     except (LrdslError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    tuning.force(mixer.kernels, configs)
     if a.json:  # both calls where --backward: `of`'s answer
         calls = ("fwd", "both") if a.backward else ("fwd",)
         print(json.dumps({key: {n: dataclasses.asdict(c) for n, c in census(mixer, s, key == "both").items()}

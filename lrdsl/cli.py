@@ -115,15 +115,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _census(path: str, shape, backward: bool):
-    """lrdsl.census' counts for --per-kernel's roofline, or None (said on stderr) where it failed."""
+def _census(path: str, shape, backward: bool, mixer):
+    """lrdsl.census' counts for --per-kernel's roofline, with the tiles this process's autotuners
+    chose for the mixer, or None (said on stderr) where it failed."""
     import subprocess
 
     from lrdsl import census
+    from lrdsl.runtime import tuning
     print(f"  {path}: counting each kernel's FLOPs and bytes (lrdsl.census, Triton's interpreter)",
           file=sys.stderr, flush=True)
     try:
-        return census.of(path, shape, backward)
+        return census.of(path, shape, backward, tuning.chosen(mixer.kernels))
     except (subprocess.CalledProcessError, ValueError) as e:
         tail = getattr(e, "stderr", "") or str(e)
         print(f"  {path}: no census ({tail.strip().splitlines()[-1] if tail.strip() else e}); the per-kernel "
@@ -239,12 +241,13 @@ def cmd_bench(args) -> int:
         for i, path in enumerate(args.spec):
             print(f"[{i + 1}/{len(args.spec)}] {path}: compiling, tuning, timing", file=sys.stderr, flush=True)
             backward = args.backward or args.keep_intermediates
-            row = bench.bench(compile(path), shape, backward, args.fla,
+            mixer = compile(path)
+            row = bench.bench(mixer, shape, backward, args.fla,
                               log=lambda s: print(s, file=sys.stderr, flush=True),
                               **({"per_kernel": True} if args.per_kernel else {}))
             print(bench.table_row(row, peak), flush=True)
             if args.per_kernel:
-                kernels.append(bench.kernel_tables(row, _census(path, shape, backward), peak))
+                kernels.append(bench.kernel_tables(row, _census(path, shape, backward, mixer), peak))
             if args.keep_intermediates:
                 row = bench.bench(compile(path, keep_intermediates=True), shape, True, False,
                                   log=lambda s: print(s, file=sys.stderr, flush=True))

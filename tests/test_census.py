@@ -67,3 +67,52 @@ def test_the_census_command_prints_its_table_and_says_what_is_wrong():
     bad = subprocess.run([sys.executable, "-m", "lrdsl.census", "examples/retnet.lr", "--shape", "1,256"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "B,T,H,K,V" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_census_counts_with_the_tiles_it_is_given():
+    """--configs (tuning.force): gated_deltanet's state pass at value tiles of 128 instead of its
+    first config's 32 loads the key-side tiles once per program instead of four times, with the
+    same products; a kernel the JSON does not name keeps its first config."""
+    import json
+    shape = "1,256,1,128,128"
+
+    def counts(configs=None):
+        args = [sys.executable, "-m", "lrdsl.census", "examples/gated_deltanet.lr", "--shape", shape, "--json"]
+        out = subprocess.run(args + (["--configs", json.dumps(configs)] if configs else []),
+                             capture_output=True, text=True, timeout=600, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])["fwd"]
+    first, wide = counts(), counts({"staged_state_kernel": {"BV": 128}})
+    assert first["staged_state_kernel"]["launches"] == wide["staged_state_kernel"]["launches"] == 1
+    assert wide["staged_state_kernel"]["flop"] == first["staged_state_kernel"]["flop"]
+    assert wide["staged_state_kernel"]["load_bytes"] < first["staged_state_kernel"]["load_bytes"]
+    assert wide["staged_output_kernel"] == first["staged_output_kernel"]
+    bad = subprocess.run([sys.executable, "-m", "lrdsl.census", "examples/gated_deltanet.lr", "--configs", "[1]"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--configs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_chosen_takes_an_autotuners_one_choice_and_force_gives_it_back():
+    """tuning.chosen reads each autotuner's choice (one config for every key it met, else none), by
+    the kernel's function name; tuning.force makes that the kernel's only config."""
+    import types
+
+    from lrdsl.runtime import tuning
+
+    @triton.jit
+    def some_kernel(x, K: tl.constexpr, BV: tl.constexpr):
+        pass
+
+    @triton.jit
+    def other_kernel(x, K: tl.constexpr, BV: tl.constexpr):
+        pass
+    configs = [triton.Config({"BV": 32}), triton.Config({"BV": 64})]
+    one, two = (triton.autotune(list(configs), key=["K"])(k) for k in (some_kernel, other_kernel))
+    one.cache[(16, "torch.float32")] = configs[1]
+    one.cache[(32, "torch.float32")] = configs[1]
+    two.cache[(16, "torch.float32")] = configs[0]
+    two.cache[(32, "torch.float32")] = configs[1]  # two choices: none reported
+    module = types.SimpleNamespace(a=one, b=two)
+    assert tuning.chosen(module) == {"some_kernel": {"BV": 64}}
+    assert tuning.force(module, {"other_kernel": {"BV": 128}}) == 1
+    assert [c.kwargs for c in two.configs] == [{"BV": 128}] and not two.cache
+    assert len(one.configs) == 2 and one.cache

@@ -264,3 +264,37 @@ def _configs_to_compile(tuner, args, kwargs) -> list:
         return configs
     finally:
         tuner.nargs = None
+
+
+def kernel_name(kernel) -> str:
+    """The name of the function under an autotuner or heuristics (the name profilers show)."""
+    from triton.runtime.jit import KernelInterface
+    while isinstance(kernel, KernelInterface) and hasattr(kernel, "fn") and isinstance(kernel.fn, KernelInterface):
+        kernel = kernel.fn
+    fn = getattr(kernel, "fn", kernel)
+    return getattr(fn, "__name__", repr(fn))
+
+
+def chosen(module) -> dict:
+    """kernel name -> the meta-parameters its autotuner chose, for each autotuned kernel of a module
+    that chose one config for every key it met (lrdsl.census counts with them)."""
+    out = {}
+    for tuner in _autotuners(module):
+        picks = {tuple(sorted(c.kwargs.items())) for c in tuner.cache.values()}
+        if len(picks) == 1:
+            out[kernel_name(tuner)] = dict(picks.pop())
+    return out
+
+
+def force(module, configs: dict) -> int:
+    """Give each autotuned kernel of a module that configs names (kernel name -> meta-parameters)
+    that one config; returns how many took one."""
+    import triton
+    n = 0
+    for tuner in _autotuners(module):
+        meta = configs.get(kernel_name(tuner))
+        if meta is not None:
+            tuner.configs = [triton.Config(dict(meta))]
+            tuner.cache.clear()
+            n += 1
+    return n
