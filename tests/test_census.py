@@ -116,3 +116,22 @@ def test_chosen_takes_an_autotuners_one_choice_and_force_gives_it_back():
     assert tuning.force(module, {"other_kernel": {"BV": 128}}) == 1
     assert [c.kwargs for c in two.configs] == [{"BV": 128}] and not two.cache
     assert len(one.configs) == 2 and one.cache
+
+
+def test_the_per_kernel_table_puts_each_kernels_counts_over_its_time():
+    """bench.kernel_tables with census counts: TFLOP/s and GB/s of each kernel's own counts at its
+    GPU time (worked by hand here), matched by function name with or without its "_kernel" suffix;
+    a kernel without counts gets dashes; the call's row sums what was counted over the whole time."""
+    from lrdsl import bench
+    from lrdsl.roofline import peak_of
+    kernels = [("staged_state_kernel", 0.5, 1), ("staged_dk", 0.25, 1), ("aten_copy", 0.25, 3)]
+    counts = {"both": {"staged_state_kernel": census.Counts(1, 1e9, 1e9, 0.5e9),
+                       "staged_dk_kernel": census.Counts(1, 2e9, 0.25e9, 0.25e9)}}
+    row = {"mixer": "m", "lrdsl": {"both_kernels": kernels}}
+    text = bench.kernel_tables(row, counts, peak_of("NVIDIA H100 80GB HBM3"))
+    lines = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in text.splitlines()
+             if ln.startswith("| ") and not ln.startswith("| kernel")}
+    assert lines["staged_state_kernel"][3:6] == ["2.0", "3000", "0.2%"]  # 1e9 / 0.5 ms; 1.5e9 B / 0.5 ms
+    assert lines["staged_dk"][3:5] == ["8.0", "2000"]
+    assert lines["aten_copy"][3:] == ["-", "-", "-", "-"]
+    assert lines["(all)"][3:5] == ["3.0", "2000"]  # 3e9 FLOPs and 2e9 bytes over 1 ms
