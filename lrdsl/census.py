@@ -171,6 +171,23 @@ def of(spec: str, s, backward: bool, configs: dict | None = None) -> dict:
     return {key: {n: Counts(**c) for n, c in calls.items()} for key, calls in raw.items()}
 
 
+def for_bench(path: str, s, backward: bool, mixer) -> dict | None:
+    """`of` for `lrdsl bench --per-kernel`, with the tiles this process's autotuners chose for the
+    mixer, or None (said on stderr) where the count failed."""
+    import subprocess
+
+    from lrdsl.runtime import tuning
+    print(f"  {path}: counting each kernel's FLOPs and bytes (lrdsl.census, Triton's interpreter)",
+          file=sys.stderr, flush=True)
+    try:
+        return of(path, s, backward, tuning.chosen(mixer.kernels))
+    except (subprocess.CalledProcessError, ValueError) as e:
+        tail = (getattr(e, "stderr", "") or str(e)).strip()
+        print(f"  {path}: no census ({tail.splitlines()[-1] if tail else e}); the per-kernel table has GPU "
+              "times only", file=sys.stderr, flush=True)
+        return None
+
+
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m lrdsl.census", description=__doc__.split("\n\n")[0],

@@ -91,21 +91,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="batch, tokens, heads, key and value size (default: 4,4096,16,128,128); bf16 inputs")
     b.add_argument("--backward", action="store_true", help="also time forward + backward and its peak memory")
     b.add_argument("--keep-intermediates", action="store_true",
-                   help="also time each spec compiled with keep_intermediates=True (the forward keeps what "
-                        "the backward reads, which then does not make it again): a row of its own under the "
-                        "default one, lrdsl alone, forward + backward and its peak memory (implies --backward)")
+                   help="also time each spec compiled with keep_intermediates=True (the forward keeps what the "
+                        "backward reads): a row of its own, lrdsl alone, forward + backward (implies --backward)")
     b.add_argument("--no-fla", dest="fla", action="store_false",
                    help="time lrdsl alone (by default FLA's twin is timed when fla-core is importable)")
     b.add_argument("--per-kernel", action="store_true",
-                   help="also print each of lrdsl's kernels' GPU time and share of the call (torch.profiler) "
-                        "and its roofline (FLOPs and bytes counted by lrdsl.census in Triton's interpreter on the "
-                        "CPU, some seconds per spec), under the table")
+                   help="also print each kernel's GPU time, share of the call and roofline (its FLOPs and bytes "
+                        "counted by lrdsl.census in Triton's interpreter, some seconds per spec) under the table")
     b.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
-                   help="the GPU's dense bf16 peak for the roofline columns (default: from the device's name: "
-                        "H100 SXM 989, H200 989)")
+                   help="the GPU's dense bf16 peak for the roofline (default by name: H100 SXM 989, H200 989)")
     b.add_argument("--peak-tbps", type=float, metavar="TBPS",
-                   help="the GPU's memory bandwidth in TB/s for the roofline columns (default: from the "
-                        "device's name: H100 SXM 3.35, H200 4.8)")
+                   help="the GPU's memory bandwidth in TB/s for the roofline (default by name: H100 SXM 3.35, H200 4.8)")
     b.add_argument("--decode", action="store_true",
                    help="time decoding instead: step at T = 1 for B in --decode-batches, inside a CUDA graph, "
                         "beside FLA's fused recurrent twin (H, K, V from --shape); the table is printed last")
@@ -113,24 +109,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="the batch sizes of --decode (default 1,8,64,256)")
     _mqar_parser(sub)
     return p
-
-
-def _census(path: str, shape, backward: bool, mixer):
-    """lrdsl.census' counts for --per-kernel's roofline, with the tiles this process's autotuners
-    chose for the mixer, or None (said on stderr) where it failed."""
-    import subprocess
-
-    from lrdsl import census
-    from lrdsl.runtime import tuning
-    print(f"  {path}: counting each kernel's FLOPs and bytes (lrdsl.census, Triton's interpreter)",
-          file=sys.stderr, flush=True)
-    try:
-        return census.of(path, shape, backward, tuning.chosen(mixer.kernels))
-    except (subprocess.CalledProcessError, ValueError) as e:
-        tail = getattr(e, "stderr", "") or str(e)
-        print(f"  {path}: no census ({tail.strip().splitlines()[-1] if tail.strip() else e}); the per-kernel "
-              "table has GPU times only", file=sys.stderr, flush=True)
-        return None
 
 
 def _ints(text: str) -> tuple:
@@ -212,7 +190,7 @@ def cmd_bench(args) -> int:
         import triton  # noqa: F401
     except ImportError as e:
         raise LrdslError(f"lrdsl bench needs torch and triton: {e}") from None
-    from lrdsl import bench
+    from lrdsl import bench, census
     try:
         shape = bench.parse_shape(args.shape)
     except ValueError as e:
@@ -247,7 +225,7 @@ def cmd_bench(args) -> int:
                               **({"per_kernel": True} if args.per_kernel else {}))
             print(bench.table_row(row, peak), flush=True)
             if args.per_kernel:
-                kernels.append(bench.kernel_tables(row, _census(path, shape, backward, mixer), peak))
+                kernels.append(bench.kernel_tables(row, census.for_bench(path, shape, backward, mixer), peak))
             if args.keep_intermediates:
                 row = bench.bench(compile(path, keep_intermediates=True), shape, True, False,
                                   log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -309,3 +309,46 @@ def test_minus_inf_in_an_undeclared_log_decay_is_a_reset(decay, rows, mode, monk
         err = rms_ratio(got[n], t)
         limit = TOL if n in ("q", "k", "v", "h0") else GATE_GRAD_FACTOR * TOL
         assert err < limit, f"{decay} {rows}: d{n} rms ratio {err:.3g}"
+
+
+@pytest.mark.parametrize("bad_at", ["none", "first", "last", "every_other"])
+def test_device_flags_of_inputs_of_many_sizes_in_one_launch(bad_at, compiled, monkeypatch):
+    """nonfinite.device_flags puts inputs of any sizes in one launch (their blocks one after the
+    other on the grid), eight at most: ten inputs of sizes across block boundaries (1 entry up to
+    two blocks and a part) take two launches, and each flag is set exactly where its input has a
+    nan or an infinite entry, wherever that entry sits in the input's blocks (its first entry, or
+    its last, in the block the grid reaches last for it)."""
+    from test_decode import Launches
+
+    from lrdsl.runtime import nonfinite
+    mixer = compiled(spec_path("gated_deltanet"))
+    launches = Launches(nonfinite._flags_kernel, "COUNT")
+    monkeypatch.setattr(nonfinite, "_flags_kernel", launches)
+    B = nonfinite.BLOCK
+    sizes = [1, B - 1, B, B + 1, 2 * B + 37, 3, 17, B // 2, 2 * B, 5]
+    gen = torch.Generator().manual_seed(len(bad_at))
+    tensors = [torch.randn(n, generator=gen).to(DEVICE) for n in sizes]
+    bad = {"none": [], "first": [0, 3, 9], "last": [1, 4, 8], "every_other": list(range(0, 10, 2))}[bad_at]
+    for i in bad:
+        t = tensors[i]
+        t[0 if bad_at == "first" else -1] = [math.nan, math.inf, -math.inf][i % 3]
+    names = ["q"] * len(tensors)
+    flags = nonfinite.device_flags(mixer.ir, names, tensors)
+    assert launches.seen == [8, 2]
+    assert [int(f) for f in flags] == [int(i in bad) for i in range(len(tensors))]
+
+
+def test_any_flag_of_one_buffers_entries_and_of_separate_flags():
+    """nonfinite.any_flag: set where any flag is, for the entries of one buffer (device_flags'; read
+    as the buffer's own maximum) and for separate 0-dim flags; None without flags."""
+    from lrdsl.runtime import nonfinite
+    for set_at in (None, 0, 2):
+        buf = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+        if set_at is not None:
+            buf[set_at] = 1
+        views = [buf[0], None, buf[1], buf[2]]
+        separate = [v.clone() for v in views if v is not None]
+        want = int(set_at is not None)
+        assert int(nonfinite.any_flag(views)) == want and int(nonfinite.any_flag(separate)) == want
+        assert int(nonfinite.any_flag([buf[0], buf[1]])) == int(set_at == 0)  # a part of the buffer
+    assert nonfinite.any_flag([None, None]) is None

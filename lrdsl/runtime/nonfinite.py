@@ -34,6 +34,7 @@ with FINITE_AT_LOAD False.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -125,27 +126,28 @@ def device_copies(mixer_ir, names, tensors) -> tuple:
 
 def device_flags(mixer_ir, names, tensors) -> list:
     """device_copies' flags alone: one read-only pass over each input, no copy (the staged backward
-    whose loads make the inputs finite themselves, codegen/finite.py). Inputs of one size share a
-    launch (_flags_kernel, up to GROUP of them): one per size, not one per input."""
+    whose loads make the inputs finite themselves, codegen/finite.py). Up to GROUP inputs, of any
+    sizes, share a launch (_flags_kernel: their blocks one after the other on one axis)."""
     spec = {i.name: i for i in (*mixer_ir.inputs, *mixer_ir.params)}
     live = [j for j, (n, t) in enumerate(zip(names, tensors)) if n in spec and t.is_floating_point()]
     if not live:
         return [None] * len(tensors)
     buf = torch.zeros(len(live), dtype=torch.int32, device=tensors[live[0]].device)
     flags_ = [None] * len(tensors)
-    by_size = {}
+    todo = []
     for slot, j in enumerate(live):
         t = tensors[j]
         flags_[j] = buf[slot]
         if t.dtype == torch.float64 or not t.numel():
             buf[slot] = _maybe_bad(t).to(torch.int32)
             continue
-        by_size.setdefault(t.numel(), []).append((t.detach().contiguous(), slot))
-    for n, group in by_size.items():
-        for part in _groups(group):
-            xs, slots = zip(*part)
-            _flags_kernel[(_launch_blocks(n)[0], len(part))](
-                *_padded(xs, None), *_padded(slots, 0), buf, n, COUNT=len(part), BLOCK=BLOCK)
+        todo.append((t.detach().contiguous(), slot))
+    for part in _groups(todo):
+        xs, slots = zip(*part)
+        ns = [x.numel() for x in xs]
+        ends = list(itertools.accumulate(_launch_blocks(n)[0] for n in ns))
+        _flags_kernel[(ends[-1],)](*_padded(xs, None), *_padded(slots, 0), *_padded(ns, 0), *_padded(ends, ends[-1]),
+                                   buf, COUNT=len(part), BLOCK=BLOCK)
     return flags_
 
 
@@ -164,43 +166,45 @@ BLOCK = 1024  # elements per program of the kernels below
 
 
 @triton.jit
-def _flag_block(x_ptr, flags_ptr, slot, n, BLOCK: tl.constexpr):
-    # flags[slot] = 1 where this program's block of x has a nan or an infinite entry
+def _flag_block(x_ptr, flags_ptr, slot, n, block, BLOCK: tl.constexpr):
+    # flags[slot] = 1 where the block-th block of x has a nan or an infinite entry
     # (_finite_copy_kernel's flag, no copy)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     if tl.max(((x != x) | (x == float("inf")) | (x == float("-inf"))).to(tl.int32), 0) > 0:
         tl.atomic_max(flags_ptr + slot, 1)
 
 
 @triton.jit
-def _flags_kernel(x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, s2, s3, s4, s5, s6, s7, flags_ptr, n,
+def _flag_part(x_ptr, flags_ptr, slot, n, p, start, end, BLOCK: tl.constexpr):
+    # program p takes block p - start of x where start <= p < end (x's blocks on the grid)
+    if (p >= start) & (p < end):
+        _flag_block(x_ptr, flags_ptr, slot, n, p - start, BLOCK)
+
+
+@triton.jit
+def _flags_kernel(x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, s2, s3, s4, s5, s6, s7,
+                  n0, n1, n2, n3, n4, n5, n6, n7, e0, e1, e2, e3, e4, e5, e6, e7, flags_ptr,
                   COUNT: tl.constexpr, BLOCK: tl.constexpr):
-    # _flag_block over COUNT tensors of n elements each: program (i, j) takes block i of tensor j
-    j = tl.program_id(1)
-    if j == 0:
-        _flag_block(x0, flags_ptr, s0, n, BLOCK)
+    # _flag_block over COUNT tensors of their own sizes n: the blocks of tensor 0, then of tensor 1,
+    # ... along the grid's one axis (tensor j's end at e_j), so that every program has a block to
+    # read (a [blocks, COUNT] grid sized by the largest would start empty programs for the others)
+    p = tl.program_id(0)
+    _flag_part(x0, flags_ptr, s0, n0, p, 0, e0, BLOCK)
     if COUNT > 1:
-        if j == 1:
-            _flag_block(x1, flags_ptr, s1, n, BLOCK)
+        _flag_part(x1, flags_ptr, s1, n1, p, e0, e1, BLOCK)
     if COUNT > 2:
-        if j == 2:
-            _flag_block(x2, flags_ptr, s2, n, BLOCK)
+        _flag_part(x2, flags_ptr, s2, n2, p, e1, e2, BLOCK)
     if COUNT > 3:
-        if j == 3:
-            _flag_block(x3, flags_ptr, s3, n, BLOCK)
+        _flag_part(x3, flags_ptr, s3, n3, p, e2, e3, BLOCK)
     if COUNT > 4:
-        if j == 4:
-            _flag_block(x4, flags_ptr, s4, n, BLOCK)
+        _flag_part(x4, flags_ptr, s4, n4, p, e3, e4, BLOCK)
     if COUNT > 5:
-        if j == 5:
-            _flag_block(x5, flags_ptr, s5, n, BLOCK)
+        _flag_part(x5, flags_ptr, s5, n5, p, e4, e5, BLOCK)
     if COUNT > 6:
-        if j == 6:
-            _flag_block(x6, flags_ptr, s6, n, BLOCK)
+        _flag_part(x6, flags_ptr, s6, n6, p, e5, e6, BLOCK)
     if COUNT > 7:
-        if j == 7:
-            _flag_block(x7, flags_ptr, s7, n, BLOCK)
+        _flag_part(x7, flags_ptr, s7, n7, p, e6, e7, BLOCK)
 
 
 @triton.jit
@@ -319,7 +323,12 @@ def any_flag(bad: list):
     """One 0-dim int32 flag, set where any of bad's is (device_copies' or device_flags' flags, None
     for an input without one), or None where no input has a flag."""
     flags = [f for f in bad if f is not None]
-    return torch.stack(flags).amax() if flags else None
+    if not flags:
+        return None
+    base = flags[0]._base  # device_flags' and device_copies' flags: the entries of one buffer
+    if base is not None and base.dim() == 1 and len(flags) == base.numel() and all(f._base is base for f in flags):
+        return base.amax()  # (one launch: no stack)
+    return torch.stack(flags).amax()
 
 
 def zero_nonfinite_(x, flag):
