@@ -69,6 +69,7 @@ def test_the_census_command_prints_its_table_and_says_what_is_wrong():
     assert bad.returncode == 2 and "B,T,H,K,V" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow  # three processes of their own; tuning.force's part is tested below
 def test_the_census_counts_with_the_tiles_it_is_given():
     """--configs (tuning.force): gated_deltanet's state pass at value tiles of 128 instead of its
     first config's 32 loads the key-side tiles once per program instead of four times, with the
