@@ -5,8 +5,8 @@ counted by running the generated kernels in Triton's interpreter, on the CPU.
 The counts are the kernels' own, not the algorithm's (roofline.py counts those): a tile loaded twice
 counts twice, as the kernel asks for it twice (on the GPU the second may come from a cache), so the
 bytes are the traffic the kernel requests, an upper bound of what reaches memory; elementwise
-arithmetic is not counted. Inputs are fp16, as wide as bf16 (the interpreter's bf16 products are not
-exact: docs/gpu.md), so every tensor the GPU keeps in bf16 counts two bytes here too. The kernels take
+arithmetic is not counted. Inputs are fp16, as wide as bf16 (on the CPU `chunk` runs bf16 on fp32 copies:
+docs/kernels.md, Precision), so every tensor the GPU keeps in bf16 counts two bytes here too. The kernels take
 the first config of each tuning space (LRDSL_AUTOTUNE=0's choice) unless --configs names theirs
 (`lrdsl bench --per-kernel` passes the tiles its autotuners chose: tuning.chosen).
 
