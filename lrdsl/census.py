@@ -4,16 +4,18 @@ counted by running the generated kernels in Triton's interpreter, on the CPU.
 
 The counts are the kernels' own, not the algorithm's (roofline.py counts those): a tile loaded twice
 counts twice, as the kernel asks for it twice (on the GPU the second may come from a cache), so the
-bytes are the traffic the kernel requests, an upper bound of what reaches memory; elementwise
-arithmetic is not counted. Inputs are fp16, as wide as bf16 (on the CPU `chunk` runs bf16 on fp32 copies:
+bytes are the traffic the kernel requests, an upper bound of what reaches memory, and each address
+a launch touches counts once in `unique_bytes`, the least it can move (a bound that caches across
+launches alone can beat); elementwise arithmetic is not counted. Inputs are fp16, as wide as bf16 (on the CPU `chunk` runs bf16 on fp32 copies:
 docs/kernels.md, Precision), so every tensor the GPU keeps in bf16 counts two bytes here too. The kernels take
 the first config of each tuning space (LRDSL_AUTOTUNE=0's choice) unless --configs names theirs
 (`lrdsl bench --per-kernel` passes the tiles its autotuners chose: tuning.chosen).
 
-Each kernel's counts are affine in the number of chunks per sequence and proportional to
-sequences x heads, so the call is counted at B = H = 1 for two lengths and the line through them is
-taken at the asked shape: exact where the shape holds whole chunks (tests/test_census.py), every
-kernel's programs walking or taking whole chunks.
+Each kernel's counts are a sum of parts per call (a flag every program reads), per head (a
+parameter), per sequence and head (a state) and per token of each (an input), the last affine in
+the number of chunks: the call is counted at one sequence and head for two lengths, and at two
+sequences and at two heads, and the four parts taken at the asked shape: exact where the shape holds
+whole chunks (tests/test_census.py), every kernel's programs walking or taking whole chunks.
 
     python -m lrdsl.census SPEC [--shape B,T,H,K,V] [--backward] [--json] [--configs JSON]
 (sets TRITON_INTERPRET=1 and hides any GPU for itself; `lrdsl bench --per-kernel` runs it so).
@@ -33,8 +35,9 @@ import torch
 class Counts:
     launches: float = 0.0
     flop: float = 0.0
-    load_bytes: float = 0.0
+    load_bytes: float = 0.0  # requested: every masked-in element of every load
     store_bytes: float = 0.0
+    unique_bytes: float = 0.0  # each address a launch loads, and each it stores, once: the least it moves
 
     def __add__(self, o: "Counts") -> "Counts":
         return Counts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
@@ -59,11 +62,17 @@ def counting():
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the census runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before lrdsl is imported (python -m lrdsl.census does)")
+    import numpy as np
     found: dict = {}
     current = ["?"]
+    touched: list = [{}]  # per launch: (load or store, element width) -> arrays of the addresses
 
     def add(**kw):
         found[current[0]] = found.get(current[0], Counts()) + Counts(**kw)
+
+    def touch(ptrs, mask, width, kind):
+        addresses = np.asarray(ptrs.data)[np.asarray(mask.data, dtype=bool)].ravel()
+        touched[-1].setdefault((kind, width), []).append(addresses)
 
     builder, grid_exec = interp.InterpreterBuilder, interp.GridExecutor
     saved = {n: getattr(builder, n) for n in ("create_dot", "create_masked_load", "create_masked_store",
@@ -76,24 +85,34 @@ def counting():
         return saved["create_dot"](self, a, b, d, *rest)
 
     def load(self, ptrs, mask, *rest):
-        add(load_bytes=float(mask.data.sum()) * _width(ptrs.get_element_ty()))
+        width = _width(ptrs.get_element_ty())
+        add(load_bytes=float(mask.data.sum()) * width)
+        touch(ptrs, mask, width, "load")
         return saved["create_masked_load"](self, ptrs, mask, *rest)
 
     def store(self, ptrs, value, mask, *rest):
-        add(store_bytes=float(mask.data.sum()) * _width(ptrs.get_element_ty()))
+        width = _width(ptrs.get_element_ty())
+        add(store_bytes=float(mask.data.sum()) * width)
+        touch(ptrs, mask, width, "store")
         return saved["create_masked_store"](self, ptrs, value, mask, *rest)
 
     def atomic(self, op, ptr, val, mask, *rest):
-        n = float(mask.data.sum()) * _width(ptr.get_element_ty())
+        width = _width(ptr.get_element_ty())
+        n = float(mask.data.sum()) * width
         add(load_bytes=n, store_bytes=n)
+        touch(ptr, mask, width, "load")
+        touch(ptr, mask, width, "store")
         return saved["create_atomic_rmw"](self, op, ptr, val, mask, *rest)
 
     def call(self, *args, **kwargs):
         outer, current[0] = current[0], getattr(self.fn, "__name__", "?")
+        touched.append({})
         add(launches=1.0)
         try:
             return saved_call(self, *args, **kwargs)
         finally:
+            mine = touched.pop()
+            add(unique_bytes=float(sum(np.unique(np.concatenate(a)).size * w for (_, w), a in mine.items())))
             current[0] = outer
 
     for name, f in (("create_dot", dot), ("create_masked_load", load), ("create_masked_store", store),
@@ -142,17 +161,22 @@ def lengths(mixer) -> tuple:
 
 
 def census(mixer, s, backward: bool = False) -> dict:
-    """kernel name -> Counts of one call at shape s (forward, or forward + backward), from two counted
-    calls at B = H = 1 (see the module's docstring)."""
+    """kernel name -> Counts of one call at shape s (forward, or forward + backward), from four
+    counted calls at one sequence and head (two lengths), two sequences and two heads (see the
+    module's docstring)."""
     from lrdsl.bench import Shape
     t1, t2 = lengths(mixer)
-    one = {t: counted(_steps(mixer, Shape(1, t, 1, s.K, s.V), backward)) for t in (t1, t2)}
+    at = {(b, h, t): counted(_steps(mixer, Shape(b, t, h, s.K, s.V), backward))
+          for b, h, t in ((1, 1, t1), (1, 1, t2), (2, 1, t1), (1, 2, t1))}
     out = {}
-    for name in sorted(set(one[t1]) | set(one[t2])):
-        c1, c2 = one[t1].get(name, Counts()), one[t2].get(name, Counts())
-        slope = (c2 + c1.scaled(-1.0)).scaled(1.0 / (t2 - t1))
-        at = (c1 + slope.scaled(s.T - t1)).scaled(s.B * s.H)
-        out[name] = dataclasses.replace(at, launches=c2.launches)  # per call, whatever the shape
+    for name in sorted(set().union(*at.values())):
+        c11, c12, c21, c22 = (at[k].get(name, Counts()) for k in ((1, 1, t1), (1, 1, t2), (2, 1, t1), (1, 2, t1)))
+        per_t = (c12 + c11.scaled(-1.0)).scaled(1.0 / (t2 - t1))  # per token of each sequence and head
+        per_bh = c21 + c11.scaled(-1.0) + per_t.scaled(-t1)  # per sequence and head, beyond its tokens
+        per_h = c22 + c21.scaled(-1.0)  # per head, whatever the sequences (parameters)
+        fixed = c11 + per_t.scaled(-t1) + per_bh.scaled(-1.0) + per_h.scaled(-1.0)  # per call (flags)
+        total = fixed + per_h.scaled(s.H) + per_bh.scaled(s.B * s.H) + per_t.scaled(s.B * s.H * s.T)
+        out[name] = dataclasses.replace(total, launches=c12.launches)  # per call, whatever the shape
     return out
 
 
@@ -196,8 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="4,4096,16,128,128", metavar="B,T,H,K,V",
                     help="the shape to count at (default 4,4096,16,128,128)")
     ap.add_argument("--backward", action="store_true", help="count forward + backward (default: forward)")
-    ap.add_argument("--json", action="store_true",
-                    help='print {"fwd": {kernel: {launches, flop, load_bytes, store_bytes}}} (and "both" with --backward)')
+    ap.add_argument("--json", action="store_true", help='print {"fwd": {kernel: {launches, flop, load_bytes, '
+                    'store_bytes, unique_bytes}}} (and "both" with --backward)')
     ap.add_argument("--configs", metavar="JSON", help='the meta-parameters to count kernels with, as '
                     '{"staged_state_kernel": {"BV": 64}, ...} (default: each kernel\'s first config)')
     a = ap.parse_args(argv)

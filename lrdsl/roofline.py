@@ -105,38 +105,43 @@ def cells(r: dict) -> list:
 def kernel_table(kernels: list, total_ms: float, counts: dict | None = None, peak: Peak | None = None) -> str:
     """Per-kernel rows (name, GPU ms per call, launches per call) as markdown, with each one's share of
     the call's GPU time, longest first; with counts (census.census': kernel name -> Counts) also each
-    kernel's TFLOP/s and GB/s at its time and their shares of the peaks, and the call's."""
+    kernel's TFLOP/s, GB/s of the least bytes it moves (each address once) and their shares of the
+    peaks, and the GB/s its loads and stores ask for (cache hits included); and the call's."""
     head = "| kernel | launches | GPU ms | share |"
+    none = " - | - | - | - | - |"
     if counts is not None:
-        head += " TFLOP/s | GB/s | % bf16 peak | % bandwidth |"
+        head += " TFLOP/s | GB/s | % bf16 peak | % bandwidth | GB/s asked |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
-    def roof(flops, nbytes_, ms):
-        return " " + " | ".join(cells(rates(flops, nbytes_, ms, peak))) + " |" if ms > 0 else " - | - | - | - |"
+    def roof(c, ms):
+        if ms <= 0:
+            return none
+        return " " + " | ".join(cells(rates(c.flop, c.unique_bytes, ms, peak))) + f" | {c.bytes / (ms * 1e6):.0f} |"
     for name, ms, n in sorted(kernels, key=lambda k: -k[1]):
         share = 100 * ms / total_ms if total_ms > 0 else 0.0
         row = f"| {name} | {n:g} | {ms:.3f} | {share:.1f}% |"
         if counts is not None:
-            c = counts.get(name)
-            row += roof(c.flop, c.bytes, ms) if c is not None else " - | - | - | - |"
+            row += roof(counts[name], ms) if name in counts else none
         lines.append(row)
     row = f"| (all) | {sum(k[2] for k in kernels):g} | {total_ms:.3f} | 100.0% |"
     if counts is not None:
+        from functools import reduce
         timed = [counts[k[0]] for k in kernels if k[0] in counts]
-        row += roof(sum(c.flop for c in timed), sum(c.bytes for c in timed), total_ms)
+        row += roof(reduce(lambda a, b: a + b, timed), total_ms) if timed else none
     lines.append(row)
     return "\n".join(lines)
 
 
 def count_table(counts: dict) -> str:
-    """census.census' counts as markdown: per kernel launches, GFLOP, MB loaded and stored, and the
-    FLOPs per byte; then the call's."""
-    lines = ["| kernel | launches | GFLOP | MB loaded | MB stored | FLOP/byte |", "|---|---|---|---|---|---|"]
+    """census.census' counts as markdown: per kernel launches, GFLOP, MB its loads and stores ask for,
+    the least MB it moves (each address once) and FLOPs per byte of those; then the call's."""
+    lines = ["| kernel | launches | GFLOP | MB loaded | MB stored | MB at least | FLOP/byte |",
+             "|---|---|---|---|---|---|---|"]
 
     def row(name, c):
-        per = f"{c.flop / c.bytes:.1f}" if c.bytes else "-"
+        per = f"{c.flop / c.unique_bytes:.1f}" if c.unique_bytes else "-"
         return (f"| {name} | {c.launches:g} | {c.flop / 1e9:.2f} | {c.load_bytes / 1e6:.1f} | "
-                f"{c.store_bytes / 1e6:.1f} | {per} |")
+                f"{c.store_bytes / 1e6:.1f} | {c.unique_bytes / 1e6:.1f} | {per} |")
     for name, c in sorted(counts.items(), key=lambda kv: -kv[1].bytes):
         lines.append(row(name, c))
     if counts:
