@@ -123,7 +123,7 @@ def main(argv=None):
     ap.add_argument("--nonfinite", choices=["host", "device"], help="runtime/nonfinite.py's MODE")
     ap.add_argument("--ab-memo", action="store_true",
                     help="with --cuda: each spec with the autotuners' remembered choices (tuning.remember_choices, "
-                         "LRDSL_REMEMBER_CHOICES=1), without, and with again, in one process")
+                         "the loader's default), without, and with again, in one process")
     a = ap.parse_args(argv)
     if a.nonfinite:
         from lrdsl.runtime import nonfinite
@@ -177,10 +177,9 @@ def cuda_profile(a):
 
 def cuda_api(a, reps=20):
     """The host side of the first spec's forward + backward under torch.profiler (CPU and CUDA
-    activity): per step, each CUDA runtime or driver call's count and host us (a synchronising one,
-    or a cudaMalloc / cudaFree where the caching allocator missed, shows as a long call), then the
-    top-level torch operations, and the host time those leave to Python (Triton's launch path,
-    lrdsl's host code, autograd)."""
+    activity): the step's wall us, then per step each CUDA runtime or driver call's count and host us
+    (a synchronising one, or a cudaMalloc / cudaFree where the caching allocator missed, shows as a
+    long call), then the torch operations' (nested ones counted inside their callers too)."""
     from torch.profiler import ProfilerActivity, profile
 
     from lrdsl.bench import draw
@@ -209,8 +208,9 @@ def cuda_api(a, reps=20):
 
 def cuda_main(a):
     """Real launches on the GPU: per call the host ms (the GPU idle at the start) and the wall ms
-    (to the device's end), do_bench's median as `lrdsl bench` takes it (here with no torch.profiler
-    session before it in the process), and the synchronising calls of one forward + backward."""
+    (to the device's end), do_bench's median as `lrdsl bench` takes it (the first row before any
+    torch.profiler session of the process, unless --profiler-first; later rows after the GPU times
+    of the rows before), and the synchronising calls of one forward + backward."""
     from lrdsl.bench import draw, gpu_ms
     from lrdsl.runtime import nonfinite, tuning
     s = parse_shape(a.shape)

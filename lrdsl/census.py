@@ -166,11 +166,11 @@ def census(mixer, s, backward: bool = False) -> dict:
     module's docstring)."""
     from lrdsl.bench import Shape
     t1, t2 = lengths(mixer)
-    at = {(b, h, t): counted(_steps(mixer, Shape(b, t, h, s.K, s.V), backward))
-          for b, h, t in ((1, 1, t1), (1, 1, t2), (2, 1, t1), (1, 2, t1))}
+    points = ((1, 1, t1), (1, 1, t2), (2, 1, t1), (1, 2, t1))  # (sequences, heads, length)
+    at = [counted(_steps(mixer, Shape(b, t, h, s.K, s.V), backward)) for b, h, t in points]
     out = {}
-    for name in sorted(set().union(*at.values())):
-        c11, c12, c21, c22 = (at[k].get(name, Counts()) for k in ((1, 1, t1), (1, 1, t2), (2, 1, t1), (1, 2, t1)))
+    for name in sorted(set().union(*at)):
+        c11, c12, c21, c22 = (found.get(name, Counts()) for found in at)
         per_t = (c12 + c11.scaled(-1.0)).scaled(1.0 / (t2 - t1))  # per token of each sequence and head
         per_bh = c21 + c11.scaled(-1.0) + per_t.scaled(-t1)  # per sequence and head, beyond its tokens
         per_h = c22 + c21.scaled(-1.0)  # per head, whatever the sequences (parameters)
@@ -180,6 +180,11 @@ def census(mixer, s, backward: bool = False) -> dict:
     return out
 
 
+def _interpreter_env() -> dict:
+    """The environment of a census process: Triton's interpreter on, no GPU in sight."""
+    return dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+
+
 def of(spec: str, s, backward: bool, configs: dict | None = None) -> dict:
     """{"fwd": counts[, "both": counts]} of a spec file at shape s, counted in a process of its own
     (this one may have its kernels on a GPU): `lrdsl bench --per-kernel`'s roofline per kernel.
@@ -187,10 +192,9 @@ def of(spec: str, s, backward: bool, configs: dict | None = None) -> dict:
     GPU's autotuners chose), else each kernel's first config."""
     import subprocess
     shape = f"{s.B},{s.T},{s.H},{s.K},{s.V}"
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-m", "lrdsl.census", spec, "--shape", shape, "--json",
                           *(["--backward"] if backward else []), *(["--configs", json.dumps(configs)] if configs else [])],
-                         env=env, capture_output=True, text=True, check=True)
+                         env=_interpreter_env(), capture_output=True, text=True, check=True)
     raw = json.loads(out.stdout.strip().splitlines()[-1])
     return {key: {n: Counts(**c) for n, c in calls.items()} for key, calls in raw.items()}
 
@@ -227,9 +231,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":  # a process of its own, interpreter on, no GPU
         import subprocess
-        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
         return subprocess.call([sys.executable, "-m", "lrdsl.census", *(argv if argv is not None else sys.argv[1:])],
-                               env=env)
+                               env=_interpreter_env())
     import lrdsl
     from lrdsl.bench import parse_shape
     from lrdsl.errors import LrdslError
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
     found = census(mixer, s, a.backward)
     from lrdsl.roofline import count_table
     print(f"{os.path.basename(a.spec)} at {a.shape}, {'forward + backward' if a.backward else 'forward'}, "
-          "counted in Triton's interpreter (fp16 inputs, first configs):")
+          f"counted in Triton's interpreter (fp16 inputs, {'the configs given' if configs else 'first configs'}):")
     print(count_table(found))
     return 0
 
