@@ -235,7 +235,7 @@ def main(argv=None) -> int:
                                env=_interpreter_env())
     import lrdsl
     from lrdsl.bench import parse_shape
-    from lrdsl.errors import LrdslError
+    from lrdsl.errors import LrdslError, SpecError
     from lrdsl.runtime import tuning
     try:
         mixer = lrdsl.compile(a.spec)
@@ -243,8 +243,11 @@ def main(argv=None) -> int:
         configs = json.loads(a.configs) if a.configs else {}
         if not isinstance(configs, dict) or not all(isinstance(c, dict) for c in configs.values()):
             raise ValueError('--configs takes a JSON object of objects, {"kernel name": {"BV": 64}, ...}')
+    except SpecError as e:  # as `lrdsl` prints it: the file, place and fix, then the line and a caret
+        print("\n".join(filter(None, (str(e), e.context()))), file=sys.stderr)
+        return 2
     except (LrdslError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"python -m lrdsl.census: error: {e}", file=sys.stderr)
         return 2
     tuning.force(mixer.kernels, configs)
     if a.json:  # both calls where --backward: `of`'s answer

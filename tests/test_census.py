@@ -142,3 +142,12 @@ def test_the_per_kernel_table_puts_each_kernels_counts_over_its_time():
     assert lines["staged_dk"][3:5] == ["8.0", "1000"] and lines["staged_dk"][7] == "2000"
     assert lines["aten_copy"][3:] == ["-"] * 5
     assert lines["(all)"][3:5] == ["3.0", "750"] and lines["(all)"][7] == "2000"  # over the whole 1 ms
+
+
+def test_the_census_command_shows_a_spec_error_as_lrdsl_does(tmp_path):
+    """A mistake in the spec: the file, line and column, the fix, the line and a caret, no traceback."""
+    spec = tmp_path / "bad.lr"
+    spec.write_text("mixer x\ninput q[K], k[K], v[V]\nS = S + k w^T\no = S^T q\n")
+    out = subprocess.run([sys.executable, "-m", "lrdsl.census", str(spec)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{spec}:3:11: error: unknown name 'w'" in out.stderr and "\n            ^" in out.stderr
