@@ -1,13 +1,14 @@
 """Stage 4 of the staged backward with a decay per key channel (staged_pair_kernel, launched without
-the autotuner): its GPU time for each key slice, warp count and register cap, in one forward +
-backward, beside the gradients' relative RMS difference from the module's own setting.
+the autotuner): its GPU time for each block size, key slice, warp count and register cap, in one
+forward + backward, beside the gradients' relative RMS difference from the module's own setting.
 
-Usage (device machine): python benchmarks/pair_sweep.py [--shape B,T,H,K,V] [--keys 16,32,64]
-                        [--warps 2,4,8] [--regs 0,128] SPEC [SPEC ...]
+Usage (device machine): python benchmarks/pair_sweep.py [--shape B,T,H,K,V] [--subs 16,32,64]
+                        [--keys 16,32,64] [--warps 2,4,8] [--regs 0,128] SPEC [SPEC ...]
 A split spec (rwkv7, dplr) sets its split's module (the staged kernels run there). rwkv7's pair
 kernel took 2.43 of 9.02 ms of its forward + backward on an H100 on 2026-12-07 (13e1e70, B=4 T=4096
 H=16, keys 32, 4 warps, cap 128). The table is printed last.
 """
+import itertools
 import sys
 
 import torch
@@ -21,8 +22,8 @@ from lrdsl.testing import rms_ratio
 def main(argv) -> None:
     args = list(argv)
     shape = parse_shape(option(args, "--shape", "4,4096,16,128,128"))
-    keys, warps, regs = (ints(option(args, n, d)) for n, d in
-                         (("--keys", "16,32,64"), ("--warps", "2,4,8"), ("--regs", "0,128")))
+    subs, keys, warps, regs = (ints(option(args, n, d)) for n, d in (
+        ("--subs", "16"), ("--keys", "16,32,64"), ("--warps", "2,4,8"), ("--regs", "0,128")))
     if not args:
         sys.exit(__doc__.strip())
     rows = []
@@ -48,30 +49,28 @@ def main(argv) -> None:
         def clear():
             for t in leaves:
                 t.grad = None
-        saved = (mod.STAGED_PAIR_KEYS, mod.STAGED_PAIR_WARPS, mod.STAGED_PAIR_REGS)
+        saved = (mod.STAGED_PAIR_SUB, mod.STAGED_PAIR_KEYS, mod.STAGED_PAIR_WARPS, mod.STAGED_PAIR_REGS)
         want = grads()
-        for k in keys:
-            for w in warps:
-                for r in regs:
-                    mod.STAGED_PAIR_KEYS, mod.STAGED_PAIR_WARPS, mod.STAGED_PAIR_REGS = k, w, r
-                    try:
-                        got = grads()
-                        err = max(rms_ratio(g, h) for g, h in zip(got, want))
-                        times = kernel_times(step, between=clear)
-                        pair = sum(ms for name, ms, _ in times if name.startswith("staged_pair"))
-                        total = sum(ms for _, ms, _ in times)
-                    except Exception as e:  # e.g. out of shared memory or registers: the row says so
-                        err, pair, total = type(e).__name__, float("nan"), float("nan")
-                    mark = " (module)" if (k, w, r) == saved else ""
-                    rows.append((mixer.name, f"{k}{mark}", w, r, pair, total, err))
-                    print(rows[-1], flush=True)
-        mod.STAGED_PAIR_KEYS, mod.STAGED_PAIR_WARPS, mod.STAGED_PAIR_REGS = saved
+        for b, k, w, r in itertools.product(subs, keys, warps, regs):
+            mod.STAGED_PAIR_SUB, mod.STAGED_PAIR_KEYS, mod.STAGED_PAIR_WARPS, mod.STAGED_PAIR_REGS = b, k, w, r
+            try:
+                got = grads()
+                err = max(rms_ratio(g, h) for g, h in zip(got, want))
+                times = kernel_times(step, between=clear)
+                pair = sum(ms for name, ms, _ in times if name.startswith("staged_pair"))
+                total = sum(ms for _, ms, _ in times)
+            except Exception as e:  # e.g. out of shared memory or registers: the row says so
+                err, pair, total = type(e).__name__, float("nan"), float("nan")
+            mark = " (module)" if (b, k, w, r) == saved else ""
+            rows.append((mixer.name, b, f"{k}{mark}", w, r, pair, total, err))
+            print(rows[-1], flush=True)
+        mod.STAGED_PAIR_SUB, mod.STAGED_PAIR_KEYS, mod.STAGED_PAIR_WARPS, mod.STAGED_PAIR_REGS = saved
     print(f"bf16, B,T,H,K,V = {shape}, {torch.cuda.get_device_name()}, GPU time (ms) of one forward + backward")
-    print("| mixer | keys | warps | regs | staged_pair ms | f+b ms | grad rms vs module |")
-    print("|---|---|---|---|---|---|---|")
-    for name, k, w, r, pair, total, err in rows:
+    print("| mixer | block | keys | warps | regs | staged_pair ms | f+b ms | grad rms vs module |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, b, k, w, r, pair, total, err in rows:
         e = err if isinstance(err, str) else f"{err:.1e}"
-        print(f"| {name} | {k} | {w} | {r} | {pair:.3f} | {total:.3f} | {e} |")
+        print(f"| {name} | {b} | {k} | {w} | {r} | {pair:.3f} | {total:.3f} | {e} |")
 
 
 if __name__ == "__main__":

@@ -254,6 +254,20 @@ def test_staged_kernels_take_strong_decays(name, strength):
     assert not bad, bad
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, sub", [("rwkv7", 16), ("rwkv7", 64), ("kda_sum", 16), ("kda_sum", 64)])
+def test_pair_stage_blocks_of_any_size_take_strong_decays(name, sub, monkeypatch):
+    """The per-channel backward's pair stage with blocks of 16 and of 64 tokens (the module's
+    STAGED_PAIR_SUB, 32 by default, which the test above takes): each block's reference points and
+    its exact diagonal path under -1e4 and -inf on single tokens and on whole 16-token blocks."""
+    mixer = sum_mixer(name)
+    monkeypatch.setattr((mixer.split or mixer).kernels, "STAGED_PAIR_SUB", sub)
+    x, opts = draw_inputs(mixer, Case(B=1, T=100, H=1, HV=2, K=16, V=8, initial_state=True, seed=9), DEVICE)
+    for strength, (where, value) in STAGED_STRONG.items():
+        bad = failing(against_reference(mixer, strong(x, value, where), opts, impls=("chunk",)))
+        assert not bad, (strength, bad)
+
+
 def _cp_worker(rank, world, jobs, out_dir):
     """test_cp's rank, with lrdsl.compile giving the sum-order mixer of a SPECS name."""
     import test_cp

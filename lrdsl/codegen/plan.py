@@ -113,9 +113,10 @@ class Tuning:
     staged_sub: int = 16  # sub-blocks of the triangular solve (the smallest tensor-core tile)
     # the per-channel staged backward's pairwise stage: key channels and warps per program, and a
     # register cap (ptxas' maxnreg; 0: none)
-    staged_pair_keys: int = 32
+    staged_pair_keys: int = 64
     staged_pair_warps: int = 4
-    staged_pair_regs: int = 128
+    staged_pair_regs: int = 0
+    staged_pair_sub: int = 32  # its row and column blocks: a power of two from 16 to staged_chunk
     chain_rows: int = 32  # tokens per program of the chain-rule kernel
     raw_output_bk: int = 64  # key channels per step of plan.raw's output stage (its products' loop)
     aux_warps: int = 4  # warps of the aux pass's launches
@@ -315,6 +316,7 @@ class Plan(SubTokenRows):
     staged_pair_keys = _tuning("staged_pair_keys")
     staged_pair_warps = _tuning("staged_pair_warps")
     staged_pair_regs = _tuning("staged_pair_regs")
+    staged_pair_sub = _tuning("staged_pair_sub")
     chain_rows = _tuning("chain_rows")
     raw_output_bk = _tuning("raw_output_bk")
     aux_warps = _tuning("aux_warps")
