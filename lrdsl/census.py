@@ -180,6 +180,16 @@ def census(mixer, s, backward: bool = False) -> dict:
     return out
 
 
+def numpy_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels here, or None: from numpy 2.4 on it fails on
+    every loop over a tensor's count (triton#9171; lrdsl's CPU constraints pin numpy<2.4)."""
+    import numpy
+    if tuple(int(p) for p in numpy.__version__.split(".")[:2] if p.isdigit()) < (2, 4):
+        return None
+    return (f"Triton's interpreter cannot run lrdsl's kernels with numpy {numpy.__version__} (2.4 or later, "
+            "triton#9171): install numpy<2.4 where the census runs")
+
+
 def _interpreter_env() -> dict:
     """The environment of a census process: Triton's interpreter on, no GPU in sight."""
     return dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
@@ -205,6 +215,10 @@ def for_bench(path: str, s, backward: bool, mixer) -> dict | None:
     import subprocess
 
     from lrdsl.runtime import tuning
+    problem = numpy_problem()
+    if problem:
+        print(f"  {path}: no census ({problem}); the per-kernel table has GPU times only", file=sys.stderr, flush=True)
+        return None
     print(f"  {path}: counting each kernel's FLOPs and bytes (lrdsl.census, Triton's interpreter)",
           file=sys.stderr, flush=True)
     try:
@@ -229,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", metavar="JSON", help='the meta-parameters to count kernels with, as '
                     '{"staged_state_kernel": {"BV": 64}, ...} (default: each kernel\'s first config)')
     a = ap.parse_args(argv)
+    if numpy_problem():
+        print(f"python -m lrdsl.census: error: {numpy_problem()}", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET") != "1":  # a process of its own, interpreter on, no GPU
         import subprocess
         return subprocess.call([sys.executable, "-m", "lrdsl.census", *(argv if argv is not None else sys.argv[1:])],

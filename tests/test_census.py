@@ -151,3 +151,18 @@ def test_the_census_command_shows_a_spec_error_as_lrdsl_does(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lrdsl.census", str(spec)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"{spec}:3:11: error: unknown name 'w'" in out.stderr and "\n            ^" in out.stderr
+
+
+def test_the_census_says_when_numpy_is_too_new_for_the_interpreter(monkeypatch, capsys):
+    """From numpy 2.4 on Triton's interpreter fails on loops over a tensor's count (triton#9171; a GPU
+    machine's image had it): the command and `lrdsl bench --per-kernel` say so and what fixes it."""
+    import numpy
+
+    from lrdsl import census
+    assert census.numpy_problem() is None  # the CPU constraints' numpy
+    monkeypatch.setattr(numpy, "__version__", "2.4.1")
+    assert census.main(["examples/retnet.lr"]) == 2
+    err = capsys.readouterr().err
+    assert "numpy 2.4.1" in err and "numpy<2.4" in err
+    assert census.for_bench("examples/retnet.lr", None, True, None) is None
+    assert "no census" in capsys.readouterr().err

@@ -9,6 +9,6 @@
 source .gpucache/setup.sh
 TAIL=3 g pair_rwkv7 python3 benchmarks/pair_sweep.py --subs 16,32,64 --keys 32,64 --warps 4,8 --regs 0,128 examples/rwkv7.lr
 TAIL=3 g pair_kda python3 benchmarks/pair_sweep.py --subs 16,32,64 --keys 32,64 --warps 4 --regs 0,128 examples/kda.lr
-TAIL=3 g per_kernel $LR bench --backward --no-fla --per-kernel --shape 4,4096,16,128,128 examples/rwkv7.lr examples/comba.lr
+TAIL=3 g per_kernel env $OLDNP $LR bench --backward --no-fla --per-kernel --shape 4,4096,16,128,128 examples/rwkv7.lr examples/comba.lr
 for n in pair_rwkv7 pair_kda; do grep "^[0-9]* |" $OUT/logs/$n.txt | cut -d" " -f2-; done
 grep -v "Warning\|warn(" $OUT/logs/per_kernel.txt | cut -d" " -f2- | sed -n '/per kernel/,$p'

@@ -7,5 +7,5 @@
 #   BUDGET=540 benchmarks/device/per_kernel.sh [SPEC ...]
 source .gpucache/setup.sh
 SPECS=("$@"); [ ${#SPECS[@]} -eq 0 ] && SPECS=(examples/rwkv7.lr examples/comba.lr examples/gated_deltanet.lr)
-TAIL=6 g per_kernel $LR bench --backward --no-fla --per-kernel --shape 4,4096,16,128,128 "${SPECS[@]}"
+TAIL=6 g per_kernel env $OLDNP $LR bench --backward --no-fla --per-kernel --shape 4,4096,16,128,128 "${SPECS[@]}"
 grep -v "Warning\|warn(" $OUT/logs/per_kernel.txt | cut -d" " -f2- | sed -n '/per kernel/,$p'

@@ -6,6 +6,11 @@ mkdir -p /tmp/tc; [ -f .gpucache/tc.tgz ] && tar xzf .gpucache/tc.tgz -C /tmp
 # took most of a 560 s call on a fresh machine (2026-12-07)
 ls .gpucache/tcbin.part* >/dev/null 2>&1 && cat .gpucache/tcbin.part* | tar xzf - -C /tmp
 LR="python3 -m lrdsl.cli"
+# Triton's interpreter (lrdsl.census, which `lrdsl bench --per-kernel` runs) fails with the image's
+# numpy 2.4 (triton#9171; 2026-12-07): a command run as `g NAME env $OLDNP CMD...` takes numpy<2.4
+# from .whl/np (the rest of the call keeps the image's)
+[ -d .whl/np ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/np .whl/np/*.whl
+OLDNP="PYTHONPATH=/tmp/np:$PYTHONPATH"
 savecache() {
     (cd /tmp && find tc -name '*.autotune.json' | tar czf $OUT/tc.tgz -T -)
     [ "${SAVE_BINS:-0}" = 1 ] && savebins
