@@ -81,8 +81,9 @@ def draw(mixer, B, T, H, HV, K, V, dtype, device, gen):
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)  # not module: conftest would put the file on one xdist worker
 def table():
+    """The rms ratios of this process's tests, printed at its end (seen with -n 0 or -s)."""
     yield
     print("\nGPU results (rms ratio vs float64 reference, bf16 inputs, B=2 T=2048 H=4 K=V=128)")
     print(f"{'mixer':28s} {'path':10s} {'o | dqkv':>10s} {'S | dgate':>10s}")

@@ -32,6 +32,7 @@ MIXERS = {  # name: (spec, compile options); "-general": the general kernels (ge
     "kda_decay_after_erase": ("kda_decay_after_erase", {}),
     "gated_deltanet-general": ("gated_deltanet", {"keep_intermediates": True}),
     "mesa": ("mesa", {}),
+    "comba": ("comba", {}),  # the erase reads p, the write k: the fused solve takes both tiles
 }
 # (input, value, whole token or one entry of one head): nan in a decay, inf in one value entry, nan in a key
 BAD = {"g-nan": ("g", math.nan, True), "v-inf": ("v", math.inf, False), "k-nan": ("k", math.nan, True)}
@@ -42,7 +43,7 @@ SEMANTICS = ["gpu", "numpy"] if DEVICE == "cpu" else ["device"]
 # pytest -q runs one bad input per mixer, inside a chunk, with the GPU's semantics; -m slow the rest
 DEFAULT = {("gated_deltanet", "g-nan"), ("kda", "v-inf"), ("gla", "k-nan"), ("mamba2", "v-inf"),
            ("gdn2_atk", "g-nan"), ("kda_decay_after_erase", "k-nan"), ("gated_deltanet-general", "v-inf"),
-           ("mesa", "g-nan")}
+           ("mesa", "g-nan"), ("comba", "k-nan")}
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")]
 
@@ -151,6 +152,17 @@ def test_nonfinite_input_reaches_no_earlier_token(mixer_id, bad, where, semantic
     name, value, whole = BAD[bad]
     row = 20 + WHERE[where]
     check_causal(mixer, spoil(x, name, value, whole, row), opts, row, monkeypatch, f"{mixer_id} {bad} {where}")
+
+
+@pytest.mark.parametrize("where", ["t37", pytest.param("t64", marks=pytest.mark.slow)])
+def test_nonfinite_erase_read_of_its_own_reaches_no_earlier_token(where, compiled, monkeypatch):
+    """comba's erase direction p, an input of its own beside the write key k (the fused solve's
+    second tile): nan in it on one token, with the GPU's semantics."""
+    mixer = compiled(spec_path("comba"), check_ranges=False)
+    case = Case(B=1, T=110, H=1, HV=2, K=16, V=16, cu_seqlens=(0, 20, 110), initial_state=True, seed=9)
+    x, opts = draw_inputs(mixer, case, DEVICE)
+    row = 20 + WHERE[where]
+    check_causal(mixer, spoil(x, "p", math.nan, True, row), opts, row, monkeypatch, f"comba p-nan {where}")
 
 
 # nan in one key channel of a per-channel decay, not the whole token: a 16-token block then decays

@@ -49,9 +49,17 @@ def raw_wy(m: ir.Mixer) -> tuple:
     if key is None:
         return ()
     c, z = _raw(m, m.delta.c, "K", normalised=True), _raw(m, m.write.value, "V")
-    if c is None or z is None or z.factor != "1.0" or (c.ptr, c.heads) != (key.ptr, key.heads):
+    if c is None or z is None or z.factor != "1.0":
         return ()
     return c, z
+
+
+def wy_one_tile(key: Raw | None, wy: tuple) -> bool:
+    """Whether plan.raw_wy's erase read c and plan.raw_key's write key u are one input's tile (the
+    delta rules' c = k): the WY stages then take A = x x^T and both normalisers from the tile they
+    hold; else (comba's p beside k) the fused solve loads u's tile too, and u's number carries its
+    normaliser."""
+    return bool(wy) and key is not None and (wy[0].ptr, wy[0].heads) == (key.ptr, key.heads)
 
 
 def raw_query(m: ir.Mixer) -> Raw | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lrdsl.codegen.plan import Plan
+from lrdsl.codegen.raw import wy_one_tile
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,12 @@ class _FwdFactor:
 def _fwd_factors(plan: Plan) -> tuple:
     """The per-token numbers the staged kernels take from helpers of their own: the write key's
     (plan.raw_key; with plan.raw_wy two, the key's and the erase read's, without the normaliser,
-    which the WY stage makes from the tile it holds) and, for the backward, the query's."""
+    which the WY stage makes from the tile it holds, the key's with it where the erase reads
+    another input) and, for the backward, the query's."""
     out = []
     if plan.raw_wy:
-        out += [_FwdFactor("_wy_key_number", plan.raw_key, "plan.raw_key's write key u", False),
+        own_norm = plan.raw_key.norm and not wy_one_tile(plan.raw_key, plan.raw_wy)
+        out += [_FwdFactor("_wy_key_number", plan.raw_key, "plan.raw_key's write key u", own_norm),
                 _FwdFactor("_wy_erase_number", plan.raw_wy[0], "plan.raw_wy's erase read c", False)]
     elif plan.raw_key:
         out.append(_FwdFactor("_key_factor", plan.raw_key, "plan.raw_key's write key u", plan.raw_key.norm))
@@ -207,6 +210,12 @@ def _fwd_holes(plan: Plan) -> dict:
     # decay cumulated before the token (_cumsum_before: never an exponent of -gl), P strictly
     # causal, the bonus r . c on its diagonal (_diagonal_blocks_before)
     r_gx = plan.readout_before
+    # the WY stages' normalisers from the tile x_c they hold: c's, and u's where it is the same tile
+    one_tile = wy_one_tile(plan.raw_key, plan.raw_wy)
+    wy_norm = ""
+    if plan.raw_wy and plan.raw_wy[0].norm:
+        wy_norm = ("    f_n = tl.rsqrt(n2 + 1e-6)\n    f_u, f_c = f_u * f_n, f_c * f_n" if one_tile
+                   else "    f_c = f_c * tl.rsqrt(n2 + 1e-6)")
     return dict(
         query_decay="_cumsum_before(b_gl, o_t)" if r_gx else "tl.cumsum(b_gl, 0)",
         r_dec="tl.exp(_cumsum_before(b_gl, o_s))" if r_gx else "b_dec",  # Gx - ref_i: the block's own sums
@@ -273,10 +282,12 @@ def _fwd_holes(plan: Plan) -> dict:
                     "_token_sums)") if nonfinite else "",
         wy_check_z="        chk += tl.sum(b_z)" if nonfinite else "",
         wy_flag=flag if nonfinite else "",
-        wy_norm=("    f_n = tl.rsqrt(n2 + 1e-6)\n    f_u, f_c = f_u * f_n, f_c * f_n"
-                 if plan.raw_wy and plan.raw_wy[0].norm else ""),
+        wy_norm=wy_norm,
         wy_raw_decays="wy_raw_decays" if decays else "nothing",
         fused_decays="fused_decays" if decays else "fused_keys",
+        # A = c u^T from the tile x of c (and of u, where they are one input's), else from u's own
+        fused_key_tile="nothing" if one_tile else "fused_key_tile",
+        fused_key_operand="b_x" if one_tile else "b_xu",
         fused_output_factor=f"    tl.store(fo_ptr + rows * HV + i_hv, f_u, mask=m_t){output_factor}" if fo else "",
         fused_x_blocks="    b_X = tl.where(o_t[None, :] // BS > o_t[:, None] // BS, 0.0, b_X)" if nonfinite else "",
         # stage 3
