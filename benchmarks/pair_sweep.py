@@ -2,11 +2,12 @@
 the autotuner): its GPU time for each block size, key slice, warp count and register cap, in one
 forward + backward, beside the gradients' relative RMS difference from the module's own setting.
 
-Usage (device machine): python benchmarks/pair_sweep.py [--shape B,T,H,K,V] [--subs 16,32,64]
+Usage (device machine): python benchmarks/pair_sweep.py [--shape B,T,H,K,V] [--subs 16,32]
                         [--keys 16,32,64] [--warps 2,4,8] [--regs 0,128] SPEC [SPEC ...]
 A split spec (rwkv7, dplr) sets its split's module (the staged kernels run there). rwkv7's pair
 kernel took 2.43 of 9.02 ms of its forward + backward on an H100 on 2026-12-07 (13e1e70, B=4 T=4096
-H=16, keys 32, 4 warps, cap 128). The table is printed last.
+H=16, blocks of 16, keys 32, 4 warps, cap 128), 1.87 with d205dfd's blocks of 32, keys 64, no cap
+(docs/kernels/host.md). The table is printed last.
 """
 import itertools
 import sys
@@ -23,7 +24,7 @@ def main(argv) -> None:
     args = list(argv)
     shape = parse_shape(option(args, "--shape", "4,4096,16,128,128"))
     subs, keys, warps, regs = (ints(option(args, n, d)) for n, d in (
-        ("--subs", "16"), ("--keys", "16,32,64"), ("--warps", "2,4,8"), ("--regs", "0,128")))
+        ("--subs", "16,32"), ("--keys", "16,32,64"), ("--warps", "2,4,8"), ("--regs", "0,128")))
     if not args:
         sys.exit(__doc__.strip())
     rows = []
