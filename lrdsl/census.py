@@ -243,8 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", metavar="JSON", help='the meta-parameters to count kernels with, as '
                     '{"staged_state_kernel": {"BV": 64}, ...} (default: each kernel\'s first config)')
     a = ap.parse_args(argv)
-    if numpy_problem():
-        print(f"python -m lrdsl.census: error: {numpy_problem()}", file=sys.stderr)
+    problem = numpy_problem()
+    if problem:
+        print(f"python -m lrdsl.census: error: {problem}", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET") != "1":  # a process of its own, interpreter on, no GPU
         import subprocess

@@ -2,8 +2,9 @@
 # The `-m gpu` suite on one GPU in parts that each fit a call (2026-12-07: the whole of it but
 # test_cp_gpu (two GPUs) and test_two_sided_gpu (out of memory beside seven other workers) ran into
 # a 560 s call's limit twice on a fresh H100, 108 and 132 of 183 tests done: pyproject's
-# `--dist loadgroup` put every test of test_gpu.py on one worker, for its module-scoped table, so
-# the suite runs with `--dist load` here, each test's result printed as it ends). PART=k of PARTS takes
+# `--dist loadgroup` put every test of test_gpu.py on one worker, for its module-scoped table (now
+# session-scoped; other GPU files keep module fixtures), so the suite runs with `--dist load` here,
+# each test's result printed as it ends). PART=k of PARTS takes
 # the k-th contiguous slice of the collected tests (parametrisations of one test stay together, so
 # they share compiles); PART=two_sided runs that file alone on two workers. SAVE_BINS=1 (the
 # default here) returns the compiled kernels with the tuning records (setup.sh), so a later call on
