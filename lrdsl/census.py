@@ -59,6 +59,8 @@ def counting():
     """Within: every kernel launched through Triton's interpreter adds to the dict yielded (kernel
     name -> Counts)."""
     import triton.runtime.interpreter as interp
+
+    from lrdsl.runtime import loader
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the census runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before lrdsl is imported (python -m lrdsl.census does)")
@@ -120,7 +122,10 @@ def counting():
         setattr(builder, name, f)
     grid_exec.__call__ = call
     try:
-        yield found
+        # fp16 inputs (the interpreter's bf16, triton#11584) keep their intermediates in 2 bytes, as a
+        # bf16 call's on the GPU: by default they would be fp32 (NARROW_DTYPES)
+        with loader.narrow((torch.bfloat16, torch.float16)):
+            yield found
     finally:
         for name, f in saved.items():
             setattr(builder, name, f)

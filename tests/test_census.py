@@ -2,6 +2,7 @@
 extrapolation from two short calls to a shape."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import triton.language as tl
 import lrdsl
 from lrdsl import census
 from lrdsl.bench import Shape
+from lrdsl.runtime import loader
 
 
 @triton.jit
@@ -41,6 +43,34 @@ def test_the_counts_of_a_kernel_written_by_hand():
     assert got.store_bytes == 3 * 12 * 16 * 4
     assert got.unique_bytes == 2 * 512 * 2 + 10 * 4 + 12 * 16 * 4  # every program reads and writes the same places
     assert torch.isnan(c[12:]).all() and torch.isfinite(c[:12]).all()  # the kernel ran as counted
+
+
+def test_the_census_counts_a_bf16_calls_intermediates_at_two_bytes(monkeypatch):
+    """On the GPU a bf16 call keeps its chunk states and per-token vectors in bf16. The census runs
+    fp16 inputs (the interpreter's bf16), whose intermediates a module keeps in fp32 by its own rule:
+    the state stage stores nothing else (no final state asked), so counted by that rule its stores
+    are twice the census's. The module keeps its own rule outside the census."""
+    mixer = lrdsl.compile("examples/gated_deltanet.lr")
+    step = census._steps(mixer, Shape(1, 128, 2, 32, 32), False)
+    narrow = census.counted(step)["staged_state_kernel"]
+    fp16 = torch.zeros(1, dtype=torch.float16)
+    assert mixer.kernels._store_dtype(fp16) == torch.float32
+    monkeypatch.setattr(loader, "narrow", lambda dtypes: contextlib.nullcontext())
+    wide = census.counted(step)["staged_state_kernel"]
+    assert wide.store_bytes == 2 * narrow.store_bytes > 0
+    assert wide.unique_bytes > narrow.unique_bytes
+
+
+def test_narrow_gives_every_module_its_own_rule_back():
+    """loader.narrow reaches a module loaded before it and one loaded within it, and leaves both as
+    they were: a census in a test process must not change later calls' intermediates."""
+    before = lrdsl.compile("examples/gated_deltanet.lr").kernels
+    fp16, bf16 = torch.zeros(1, dtype=torch.float16), torch.zeros(1, dtype=torch.bfloat16)
+    with loader.narrow((torch.bfloat16, torch.float16)):
+        within = lrdsl.compile("examples/retnet.lr").kernels
+        assert before._store_dtype(fp16) == within._store_dtype(fp16) == torch.float16
+    for mod in (before, within):
+        assert mod._store_dtype(fp16) == torch.float32 and mod._store_dtype(bf16) == torch.bfloat16
 
 
 @pytest.mark.parametrize("name,backward", [("rwkv6", True), ("gated_deltanet", False), ("gated_deltanet", True),

@@ -25,7 +25,10 @@ savebins() {
     else echo "compiled kernels: ${mb} MiB, too many to return; not saved"; fi
 }
 mkdir -p $OUT/logs
-trap 'savecache; tar czf $OUT/logs.tgz -C $OUT logs 2>/dev/null; rm -rf $OUT/logs' EXIT
+# a second script of the same call keeps the first one's logs (logs_1.tgz, ...; 2026-12-07: host_wait.sh's
+# were overwritten by per_kernel.sh's in one call)
+logname() { local f=$OUT/logs.tgz n=1; while [ -e $f ]; do f=$OUT/logs_$n.tgz; n=$((n + 1)); done; echo $f; }
+trap 'savecache; tar czf $(logname) -C $OUT logs 2>/dev/null; rm -rf $OUT/logs' EXIT
 # g NAME CMD...: CMD within what is left of the call's BUDGET seconds (default 540), its output
 # stamped with seconds since the call began, kept whole in $OUT/logs/NAME.txt, its last TAIL lines
 # (default 15) printed, then its exit status

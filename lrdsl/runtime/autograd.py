@@ -543,7 +543,7 @@ def chunk_op(mixer_ir, module, key: str):
         res = v.new_empty(0)
         if module.keeps_residual(K):
             res = v.new_empty(module.RESIDUAL_PARTS, B, T, HV, module.STAGED_CHUNK,
-                              dtype=torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32)
+                              dtype=module._store_dtype(v))
         width = sum(K if kind == "K" else V for kind in module.AUX_KINDS)
         aux = v.new_empty((N, HV, width) if output_final_state and width else (0,), dtype=torch.float32)
         return o, ht, res, aux

@@ -8,6 +8,7 @@ lock (filelock, in the folder's .locks/), so the first writes it and the others 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -97,6 +98,45 @@ def _module_file(name: str, source: str) -> Path:
         return _cached(_FALLBACK[0], name, source)
 
 
+def _import(mod_name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:  # a broken module must leave no trace: the next load tries again
+        sys.modules.pop(mod_name, None)
+        raise
+    if _NARROW and hasattr(mod, "NARROW_DTYPES"):
+        _NARROWED.setdefault(mod, mod.NARROW_DTYPES)
+        mod.NARROW_DTYPES = _NARROW[-1]
+    return mod
+
+
+_NARROW: list = []  # narrow()'s dtypes, innermost last
+_NARROWED: dict = {}  # module -> its own NARROW_DTYPES, while narrow() holds it
+
+
+@contextlib.contextmanager
+def narrow(dtypes: tuple):
+    """Within: every generated module loaded, before or during, keeps the intermediates of inputs of
+    `dtypes` in their own width (its NARROW_DTYPES); each gets its own back at the end. lrdsl.census
+    adds fp16, the interpreter's stand-in for bf16, so that what it counts is a bf16 call's bytes."""
+    _NARROW.append(dtypes)
+    for mod in [m for n, m in sys.modules.items() if n.startswith("lrdsl_generated_")]:
+        if hasattr(mod, "NARROW_DTYPES"):
+            _NARROWED.setdefault(mod, mod.NARROW_DTYPES)
+            mod.NARROW_DTYPES = dtypes
+    try:
+        yield
+    finally:
+        _NARROW.pop()
+        for mod, own in list(_NARROWED.items()):
+            mod.NARROW_DTYPES = _NARROW[-1] if _NARROW else own
+        if not _NARROW:
+            _NARROWED.clear()
+
+
 def load_source(stem: str, source: str):
     """Import a generated module of no spec (keyed by its source alone), from the cache."""
     import triton
@@ -104,15 +144,7 @@ def load_source(stem: str, source: str):
     mod_name = f"lrdsl_generated_{stem}_{key}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, _module_file(f"{stem}_{key}.py", source))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        sys.modules.pop(mod_name, None)
-        raise
-    return mod
+    return _import(mod_name, _module_file(f"{stem}_{key}.py", source))
 
 
 def load(m: ir.Mixer):
@@ -122,15 +154,7 @@ def load(m: ir.Mixer):
     mod_name = f"lrdsl_generated_{m.name}_{key}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    path = _module_file(f"{m.name}_{key}.py", source)
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:  # a broken module must leave no trace: the next load tries again
-        sys.modules.pop(mod_name, None)
-        raise
+    mod = _import(mod_name, _module_file(f"{m.name}_{key}.py", source))
     if os.environ.get("LRDSL_AUTOTUNE", "1") == "0" and hasattr(mod, "use_first_configs"):
         mod.use_first_configs()
     elif tuning.enabled():
