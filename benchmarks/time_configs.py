@@ -1,14 +1,18 @@
 """GPU time of one forward + backward for each config of each staged kernel's tuning space.
 
 Usage (device machine): python benchmarks/time_configs.py SPEC [--shape B,T,H,K,V] [--only staged_dq,staged_dk]
+                        [--extra staged_dk:BV=64,w=8,s=3 ...]
 One kernel's config at a time, every other kernel at the first config of its space (as the GPU
 suite's test_every_staged_config runs them); then the whole spaces under the autotuner, with the
-configs it picked, and the same without the causal second launches. bf16, shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise. A space's
+configs it picked, and the same without the causal second launches. --extra (repeatable) times a
+config outside a kernel's space after that space's own (probe_config.py's format; check its values
+with probe_config.py before it joins a space). bf16, shape B=4 T=4096 H=16 K=V=128 unless --shape says otherwise. A space's
 losers can then leave it (each config costs cold-start time and a GPU suite case).
 """
 import sys
 
 import torch
+from probe_config import parse_config
 from triton.testing import do_bench
 
 import lrdsl
@@ -29,6 +33,12 @@ def main(argv):
     if "--only" in args:
         i = args.index("--only")
         only = set(args[i + 1].split(","))
+        del args[i:i + 2]
+    extra: dict = {}
+    while "--extra" in args:
+        i = args.index("--extra")
+        name, _, cfg = args[i + 1].partition(":")
+        extra.setdefault(name, []).append(parse_config(cfg))
         del args[i:i + 2]
     if len(args) < 1:  # the usage, not a traceback
         sys.exit(__doc__.strip())
@@ -53,7 +63,7 @@ def main(argv):
     for n in tuners:
         if only is not None and n not in only:
             continue
-        for cfg in space[n]:
+        for cfg in list(space[n]) + extra.get(n, []):
             set_configs({n: [cfg]})
             step()
             ms = do_bench(step, warmup=10, rep=50, return_mode="median", grad_to_none=leaves)
