@@ -214,12 +214,48 @@ def of(spec: str, s, backward: bool, configs: dict | None = None) -> dict:
     return {key: {n: Counts(**c) for n, c in calls.items()} for key, calls in raw.items()}
 
 
+def modules(mixer) -> tuple:
+    """The generated modules whose kernels mixer.chunk may launch, each once: a product's sub-token
+    mixer's, a split spec's (two tokens per token), a value side's transposed key-side mixer's, the
+    parts of a readout read around the kernels, and the mixer's own."""
+    subs = [mixer.product, mixer.split, mixer.value_transposed if mixer.ir.side == "right" else None]
+    if mixer.ir.reads_before and not mixer.ir.steps and not mixer._fused:
+        subs += list(mixer._parts[:2])
+    out = [mod for sub in subs if sub is not None for mod in modules(sub)]
+    if not mixer.ir.steps:
+        out.append(mixer.kernels)
+    return tuple(dict.fromkeys(out))
+
+
+def chosen(mixer) -> dict:
+    """kernel name -> the meta-parameters the autotuners chose, over every module mixer.chunk may
+    launch (`modules`; where two modules name one kernel, the first's: the staged route's)."""
+    from lrdsl.runtime import tuning
+    out: dict = {}
+    for mod in reversed(modules(mixer)):
+        out.update(tuning.chosen(mod))
+    return out
+
+
+def force(mixer, configs: dict) -> None:
+    """Give each kernel that configs names (kernel name -> meta-parameters) that one config, in every
+    module mixer.chunk may launch; ValueError naming the kernels there for a name none has."""
+    from lrdsl.runtime import tuning
+    mods = modules(mixer)
+    names = sorted({tuning.kernel_name(t) for mod in mods for t in tuning._autotuners(mod)})
+    unknown = sorted(set(configs) - set(names))
+    if unknown:
+        raise ValueError(f"--configs names {', '.join(unknown)}, which no autotuned kernel of "
+                         f"'{mixer.name}' is called: its kernels are {', '.join(names)}")
+    for mod in mods:
+        tuning.force(mod, configs)
+
+
 def for_bench(path: str, s, backward: bool, mixer) -> dict | None:
     """`of` for `lrdsl bench --per-kernel`, with the tiles this process's autotuners chose for the
     mixer, or None (said on stderr) where the count failed."""
     import subprocess
 
-    from lrdsl.runtime import tuning
     problem = numpy_problem()
     if problem:
         print(f"  {path}: no census ({problem}); the per-kernel table has GPU times only", file=sys.stderr, flush=True)
@@ -227,7 +263,7 @@ def for_bench(path: str, s, backward: bool, mixer) -> dict | None:
     print(f"  {path}: counting each kernel's FLOPs and bytes (lrdsl.census, Triton's interpreter)",
           file=sys.stderr, flush=True)
     try:
-        return of(path, s, backward, tuning.chosen(mixer.kernels))
+        return of(path, s, backward, chosen(mixer))
     except (subprocess.CalledProcessError, ValueError) as e:
         tail = (getattr(e, "stderr", "") or str(e)).strip()
         print(f"  {path}: no census ({tail.splitlines()[-1] if tail else e}); the per-kernel table has GPU "
@@ -259,7 +295,6 @@ def main(argv=None) -> int:
     import lrdsl
     from lrdsl.bench import parse_shape
     from lrdsl.errors import LrdslError, SpecError
-    from lrdsl.runtime import tuning
     try:
         mixer = lrdsl.compile(a.spec)
         s = parse_shape(a.shape)
@@ -272,7 +307,11 @@ def main(argv=None) -> int:
     except (LrdslError, ValueError, OSError) as e:
         print(f"python -m lrdsl.census: error: {e}", file=sys.stderr)
         return 2
-    tuning.force(mixer.kernels, configs)
+    try:
+        force(mixer, configs)
+    except ValueError as e:
+        print(f"python -m lrdsl.census: error: {e}", file=sys.stderr)
+        return 2
     if a.json:  # both calls where --backward: `of`'s answer
         calls = ("fwd", "both") if a.backward else ("fwd",)
         print(json.dumps({key: {n: dataclasses.asdict(c) for n, c in census(mixer, s, key == "both").items()}

@@ -126,6 +126,31 @@ def test_the_census_counts_with_the_tiles_it_is_given():
     assert bad.returncode == 2 and "--configs" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_the_census_sets_and_reads_the_tiles_of_the_kernels_chunk_runs(capsys):
+    """rwkv7's chunk runs the staged kernels of its split spec (two tokens per token), whose module is
+    not rwkv7's own: --configs reaches them there, `lrdsl bench --per-kernel` reads the autotuners'
+    choices there (census.chosen), and a name no kernel has is an error that lists the names."""
+    import triton
+    mixer = lrdsl.compile("examples/rwkv7.lr")
+    split = mixer.split.kernels
+    assert split in census.modules(mixer) and mixer.kernels in census.modules(mixer)
+    tuner = split.staged_state
+    saved = tuner.configs, dict(tuner.cache)
+    try:
+        census.force(mixer, {"staged_state_kernel": {"BV": 32}})
+        assert [c.kwargs for c in tuner.configs] == [{"BV": 32}]
+        tuner.cache.clear()
+        tuner.cache[("a key",)] = triton.Config({"BV": 64})
+        assert census.chosen(mixer)["staged_state_kernel"] == {"BV": 64}
+    finally:
+        tuner.configs = saved[0]
+        tuner.cache.clear()
+        tuner.cache.update(saved[1])
+    assert census.main(["examples/rwkv7.lr", "--shape", "1,128,1,32,32", "--configs", '{"staged_nope": {}}']) == 2
+    err = capsys.readouterr().err
+    assert "staged_nope" in err and "staged_state_kernel" in err and "Traceback" not in err
+
+
 def test_chosen_takes_an_autotuners_one_choice_and_force_gives_it_back():
     """tuning.chosen reads each autotuner's choice (one config for every key it met, else none), by
     the kernel's function name; tuning.force makes that the kernel's only config."""
