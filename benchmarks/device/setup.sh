@@ -1,6 +1,9 @@
 # sourced first in every GPU call (repo root)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+# FLA's layers (flash-linear-attention) make `import fla` load fla.models, which needs transformers
+# 5.6 or later: where that fails, the oracle's ops stay importable without them (test_hf's GPU cases skip)
+python3 -c "import fla" 2>/dev/null || { echo "FLA's layers do not import here: left out"; rm -rf /tmp/site/fla/layers /tmp/site/fla/models; }
 mkdir -p /tmp/tc; [ -f .gpucache/tc.tgz ] && tar xzf .gpucache/tc.tgz -C /tmp
 # compiled kernels of an earlier call (SAVE_BINS=1 there): a cold compile of the GPU suite's kernels
 # took most of a 560 s call on a fresh machine (2026-12-07)
