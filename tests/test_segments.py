@@ -217,7 +217,9 @@ def test_finish_reads_the_wide_output_in_place(n, HV):
     assert rms_ratio(o.double(), ref) < 1e-2
     assert w16.grad.dtype == torch.bfloat16 and rms_ratio(w16.grad.double(), ref_w.grad) < 1e-2
     assert S32.grad.dtype == torch.float32 and rms_ratio(S32.grad.double(), ref_S.grad) < 1e-2
-    args = (o_w[:2, :5].clone().requires_grad_(), V, S[:2].clone().requires_grad_())
+    # two pieces of at most three heads: the same loop as the case's (pieces where HV > 2), and a
+    # second derivative over a third of the entries (gradgradcheck's time grows as their square)
+    args = (o_w[:2, :5, :3].clone().requires_grad_(), V, S[:2, :3].clone().requires_grad_())
     assert torch.autograd.gradcheck(_Finish.apply, args)
     assert torch.autograd.gradgradcheck(_Finish.apply, args)
 
