@@ -107,14 +107,19 @@ def _import(mod_name: str, path: Path):
     except BaseException:  # a broken module must leave no trace: the next load tries again
         sys.modules.pop(mod_name, None)
         raise
-    if _NARROW and hasattr(mod, "NARROW_DTYPES"):
-        _NARROWED.setdefault(mod, mod.NARROW_DTYPES)
-        mod.NARROW_DTYPES = _NARROW[-1]
+    if _NARROW:
+        _narrow(mod, _NARROW[-1])
     return mod
 
 
 _NARROW: list = []  # narrow()'s dtypes, innermost last
 _NARROWED: dict = {}  # module -> its own NARROW_DTYPES, while narrow() holds it
+
+
+def _narrow(mod, dtypes: tuple) -> None:
+    if hasattr(mod, "NARROW_DTYPES"):
+        _NARROWED.setdefault(mod, mod.NARROW_DTYPES)
+        mod.NARROW_DTYPES = dtypes
 
 
 @contextlib.contextmanager
@@ -124,9 +129,7 @@ def narrow(dtypes: tuple):
     adds fp16, the interpreter's stand-in for bf16, so that what it counts is a bf16 call's bytes."""
     _NARROW.append(dtypes)
     for mod in [m for n, m in sys.modules.items() if n.startswith("lrdsl_generated_")]:
-        if hasattr(mod, "NARROW_DTYPES"):
-            _NARROWED.setdefault(mod, mod.NARROW_DTYPES)
-            mod.NARROW_DTYPES = dtypes
+        _narrow(mod, dtypes)
     try:
         yield
     finally:
