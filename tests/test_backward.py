@@ -621,12 +621,56 @@ def _first(lines, pattern) -> int:
     return next(i for i, ln in enumerate(lines) if re.search(pattern, ln))
 
 
+# comba with its erase read gated by an input a: p's gradient is c's times a gate, and a's reads c's
+# gradient and p, so c's gradient goes through memory to staged_dk's chain rule (plan.chain_at_dc off)
+GATED_ERASE = """mixer gated_erase
+input q[K] l2norm, k[K] l2norm, p[K] l2norm, v[V]
+input g log
+input beta in (0, 1), a
+let pa = sigmoid(a) * p
+S = (I - beta k pa^T) exp(g) S + beta k v^T
+o = S^T q
+allow unstable
+"""
+
+
+def test_chain_at_dc_only_where_c_alone_reads_its_input():
+    """plan.chain_at_dc: comba's p (c = p through its L2 norm, read by no other gradient) has its
+    gradient made in staged_de, where c's is: staged_de takes p's gradient's pointer, not dc's, and
+    staged_dk neither takes dc nor loads p. Where c's input is u's too (gated_deltanet's k) or c is
+    gated by another input (GATED_ERASE), c's gradient goes through memory as before."""
+    from lrdsl.codegen.generate import generate
+    from lrdsl.codegen.plan import plan
+    at = {p.stem: plan(rendered_ir(p)).chain_at_dc for p in EXAMPLES}
+    assert {s: l.name for s, l in at.items() if l} == {"comba": "p"}, at
+    gated = plan(lrdsl.compile(text=GATED_ERASE, load_kernels=False).ir)
+    assert gated.split_dr and gated.chain_at_dc is None
+    text = generate(rendered_ir(ROOT / "examples" / "comba.lr"))
+    de = text[text.index("def staged_de_kernel("):text.index("def staged_dr_kernel(")]
+    assert "_chain_at_dc(in_p, " in de and "dc_ptr" not in de
+    dk = text[text.index("def staged_dk_kernel("):text.index("def staged_bwd(")]
+    tokens = text[text.index("def _chain_tokens("):]
+    tokens = tokens[:tokens.index("\n\n\n")]
+    assert "dc_ptr" not in dk and "dc_ptr" not in tokens and "in_p +" not in tokens
+
+
+def test_gated_erase_gradients_read_cs_back(compiled):
+    """GATED_ERASE (plan.split_dr without plan.chain_at_dc): staged_de stores c's gradient and
+    staged_dk's chain rule reads it back for p's and a's; every gradient matches the float64
+    reference."""
+    mixer = compiled(None, text=GATED_ERASE)
+    errors, failures = compare(mixer, CASES[DEFAULT_CASE], output_final_state=True, seed=41)
+    assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
+    assert {"dq", "dk", "dp", "da", "dbeta", "dg"} <= set(errors)
+
+
 def test_chain_tokens_loads_a_tile_after_the_stores_that_do_not_need_it():
-    """comba's _chain_tokens (codegen/chain_order.py): k's tile is loaded and dies first (s_beta,
-    the other reader of b_du and b_k, comes before k's gradient), and p's tile and c's gradient are
-    loaded only after k's gradient is stored, so never live with k's, b_du and g_x (ptxas spilled
-    488/556 with every tile loaded at the top; docs/kernels.md)."""
-    lines = _chain_tokens_lines(rendered_ir(ROOT / "examples" / "comba.lr"))
+    """GATED_ERASE's _chain_tokens (codegen/chain_order.py): k's tile is loaded and dies first
+    (s_beta, the other reader of b_du and b_k, comes before k's gradient), and p's tile and c's
+    gradient are loaded only after k's gradient is stored, so never live with k's, b_du and g_x
+    (comba's spilled 488/556 with every tile loaded at the top, before plan.chain_at_dc took p's
+    out; docs/kernels.md)."""
+    lines = _chain_tokens_lines(lrdsl.compile(text=GATED_ERASE, load_kernels=False).ir)
     store_k = _first(lines, r"^tl\.store\(d_k_ptr")
     assert _first(lines, r"^b_k = tl\.load") < _first(lines, r"^s_beta = .*\bb_du\b") < store_k
     assert store_k < _first(lines, r"^b_p = tl\.load")

@@ -36,15 +36,17 @@ def _reads(*texts: str) -> frozenset:
 
 def statements(plan, at) -> tuple:
     """_chain_tokens' statements in the order the template emitted them before 2026-12-06: the
-    head index, the vector gradients' loads, the inputs' loads (at, _chain_at_dr's input, is not
-    read here), the log-decay's floor, the shared subexpressions, the key-channel gradients and
-    per-token sums in the inputs' order, then the sums' stores."""
+    head index, the vector gradients' loads, the inputs' loads (at, _chain_at_dr's input, and
+    plan.chain_at_dc's are not read here, nor c's gradient with the latter), the log-decay's floor,
+    the shared subexpressions, the key-channel gradients and per-token sums in the inputs' order,
+    then the sums' stores."""
     ch = plan.chain
+    at_dc = plan.chain_at_dc
     out = [Stmt("head", None, ("h_f",))] if plan.uses_head else []
     for n in ("dc",) if at else ("dc", "dr"):
-        if n != "dc" or plan.delta or plan.bonus_key:  # c's gradient exists (else no reader)
+        if n != "dc" or (plan.delta or plan.bonus_key) and not at_dc:  # c's gradient read here
             out.append(Stmt("vector_load", n, ("b_" + n,), tile=True))
-    loads = [(l, g) for l, g in zip(plan.loads, ch.grads) if l.kind in ("scalar", "K") and l != at]
+    loads = [(l, g) for l, g in zip(plan.loads, ch.grads) if l.kind in ("scalar", "K") and l not in (at, at_dc)]
     for l, _ in loads:
         out.append(Stmt("input_load", l, (l.var, "n_" + l.name) if l.l2norm else (l.var,), tile=l.kind == "K"))
     if ch.log_decay:

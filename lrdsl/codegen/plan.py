@@ -366,18 +366,52 @@ class Plan(SubTokenRows):
         (gated_deltanet's q: r = q * scale, through q's L2 norm), where no other input's gradient
         reads r's or that input: staged_dk makes it where it makes r's gradient (_chain_at_dr), so
         r's gradient is neither stored nor read back. Else None."""
-        ch = self.chain
-        if not self.chain_in_dk:
+        return self._chain_at("r") if self.chain_in_dk else None
+
+    @property
+    def chain_at_dc(self) -> Load | None:
+        """With plan.split_dr (staged_de makes c's whole gradient), the key-channel input whose
+        gradient is c's alone times a number (comba's p: c = p through its L2 norm), where no
+        other input's gradient reads c's or that input: staged_de makes it where it makes c's
+        gradient (_chain_at_dc), so c's gradient is neither stored nor read back (nor that input
+        loaded in staged_dk's epilogue). Not with sub-token rows. Else None."""
+        if not self.split_dr or self.sub_steps:
             return None
+        at = self._chain_at("c")
+        return None if at is not None and at == self.chain_at_dr else at
+
+    @property
+    def chain_ats(self) -> tuple:
+        """(vector, input, first lines) of each vector gradient that the kernel making it takes on
+        to its input's (plan.chain_at_dr, plan.chain_at_dc): one _chain_at_d<vector> each, whose
+        first lines move a sub-token input's pointers and scale r's gradient."""
+        out = []
+        if self.chain_at_dr:
+            out.append(("r", self.chain_at_dr, (*self.chain_at_start, "b_dr = b_dr * scale")))
+        if self.chain_at_dc:
+            out.append(("c", self.chain_at_dc, ()))
+        return tuple(out)
+
+    @property
+    def chain_stored(self) -> tuple:
+        """The vector gradients _chain_tokens reads from memory ("c", "r"), but those taken on to
+        their input's where they are made (plan.chain_ats)."""
+        return tuple(v for v in ("c", "r") if v not in {a[0] for a in self.chain_ats})
+
+    def _chain_at(self, vector: str) -> Load | None:
+        """The key-channel input whose gradient is `vector`'s gradient alone times a number, which
+        no other input's gradient (nor a shared term, nor the log-decay's) reads, nor reads that
+        input; else None."""
+        ch = self.chain
         pairs = list(zip(self.loads, ch.grads))
         for l, g in pairs:
-            if (l.kind == "K" and len(g.k_terms) == 1 and g.k_terms[0][0] == "r" and _is_number(g.k_terms[0][1])
+            if (l.kind == "K" and len(g.k_terms) == 1 and g.k_terms[0][0] == vector and _is_number(g.k_terms[0][1])
                     and not g.g_term and not g.v_terms):
                 break
         else:
             return None
         others = [h for m, h in pairs if m is not l]
-        if any(v == "r" for h in others for v, _ in h.k_terms):
+        if any(v == vector for h in others for v, _ in h.k_terms):
             return None
         texts = [t for _, t in ch.k_temps] + [ch.log_decay] + [h.g_term for h in others]
         texts += [t for h in others for _, t in (*h.k_terms, *h.v_terms)]

@@ -406,6 +406,12 @@ def _bwd_out(plan: Plan) -> str:
     return "staged_bwd_out_chain.jinja" if plan.chain_in_dk else "staged_bwd_out_store.jinja"
 
 
+def _bwd_dc(plan: Plan) -> str:
+    """The macros file of where c's gradient goes in the split stage 3 (imported as `dc`): stored by
+    staged_de for staged_dk's chain rule, or on to its input's in staged_de (plan.chain_at_dc)."""
+    return "staged_bwd_dc_at.jinja" if plan.chain_at_dc else "staged_bwd_dc_store.jinja"
+
+
 def kernel_templates(plan: Plan) -> tuple:
     """Every template the module renders, in order, each once."""
     if plan.side == "right":  # the value side's token loop, chunked forward and backward (host: runtime/valueside.py)
