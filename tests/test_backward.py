@@ -654,6 +654,7 @@ def test_chain_at_dc_only_where_c_alone_reads_its_input():
     assert "dc_ptr" not in dk and "dc_ptr" not in tokens and "in_p +" not in tokens
 
 
+@pytest.mark.slow  # gated_deltanet's tests cover c's gradient through memory in the default tier
 def test_gated_erase_gradients_read_cs_back(compiled):
     """GATED_ERASE (plan.split_dr without plan.chain_at_dc): staged_de stores c's gradient and
     staged_dk's chain rule reads it back for p's and a's; every gradient matches the float64

@@ -18,6 +18,7 @@ write value or a scalar decay keep the PyTorch chain rule.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import sympy as sp
@@ -67,6 +68,35 @@ class Chain:
     def inputs_text(self) -> str:
         """The host's loop over the inputs with gradients (chain_rule.py.jinja), as Python text."""
         return f"(n for n in INPUTS if n not in {self.skip})" if self.skip else "INPUTS"
+
+    def made_from(self, loads: tuple, vector: str):
+        """The key-channel load (of `loads`, the inputs' order) whose gradient is `vector`'s gradient
+        alone times a number, where no other input's gradient (nor a shared term, nor the
+        log-decay's) reads `vector`'s or that input: the kernel that makes `vector`'s gradient can
+        make that input's there (plan.chain_at_dr, plan.chain_at_dc). Else None."""
+        pairs = list(zip(loads, self.grads))
+        for l, g in pairs:
+            if (l.kind == "K" and len(g.k_terms) == 1 and g.k_terms[0][0] == vector and _is_number(g.k_terms[0][1])
+                    and not g.g_term and not g.v_terms):
+                break
+        else:
+            return None
+        others = [h for m, h in pairs if m is not l]
+        if any(v == vector for h in others for v, _ in h.k_terms):
+            return None
+        texts = [t for _, t in self.k_temps] + [self.log_decay] + [h.g_term for h in others]
+        texts += [t for h in others for _, t in (*h.k_terms, *h.v_terms)]
+        if any(re.search(rf"\b{l.var}\b", t) for t in texts):  # _chain_tokens would still load it
+            return None
+        return l
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _lower(exprs: list, prefix: str, taken: set):

@@ -6,7 +6,6 @@ feature flags and the tile sizes. Features that are off leave no trace in the re
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 
 from lrdsl.codegen import chain_order, product, split
@@ -366,7 +365,7 @@ class Plan(SubTokenRows):
         (gated_deltanet's q: r = q * scale, through q's L2 norm), where no other input's gradient
         reads r's or that input: staged_dk makes it where it makes r's gradient (_chain_at_dr), so
         r's gradient is neither stored nor read back. Else None."""
-        return self._chain_at("r") if self.chain_in_dk else None
+        return self.chain.made_from(self.loads, "r") if self.chain_in_dk else None
 
     @property
     def chain_at_dc(self) -> Load | None:
@@ -377,7 +376,7 @@ class Plan(SubTokenRows):
         loaded in staged_dk's epilogue). Not with sub-token rows. Else None."""
         if not self.split_dr or self.sub_steps:
             return None
-        at = self._chain_at("c")
+        at = self.chain.made_from(self.loads, "c")
         return None if at is not None and at == self.chain_at_dr else at
 
     @property
@@ -397,27 +396,6 @@ class Plan(SubTokenRows):
         """The vector gradients _chain_tokens reads from memory ("c", "r"), but those taken on to
         their input's where they are made (plan.chain_ats)."""
         return tuple(v for v in ("c", "r") if v not in {a[0] for a in self.chain_ats})
-
-    def _chain_at(self, vector: str) -> Load | None:
-        """The key-channel input whose gradient is `vector`'s gradient alone times a number, which
-        no other input's gradient (nor a shared term, nor the log-decay's) reads, nor reads that
-        input; else None."""
-        ch = self.chain
-        pairs = list(zip(self.loads, ch.grads))
-        for l, g in pairs:
-            if (l.kind == "K" and len(g.k_terms) == 1 and g.k_terms[0][0] == vector and _is_number(g.k_terms[0][1])
-                    and not g.g_term and not g.v_terms):
-                break
-        else:
-            return None
-        others = [h for m, h in pairs if m is not l]
-        if any(v == vector for h in others for v, _ in h.k_terms):
-            return None
-        texts = [t for _, t in ch.k_temps] + [ch.log_decay] + [h.g_term for h in others]
-        texts += [t for h in others for _, t in (*h.k_terms, *h.v_terms)]
-        if any(re.search(rf"\b{l.var}\b", t) for t in texts):  # _chain_tokens would still load it
-            return None
-        return l
 
     @property
     def chain_steps(self) -> tuple:
@@ -478,14 +456,6 @@ class Plan(SubTokenRows):
 
     def key(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def plan(m: ir.Mixer) -> Plan:
