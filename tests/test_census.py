@@ -73,7 +73,8 @@ def test_narrow_gives_every_module_its_own_rule_back():
         assert mod._store_dtype(fp16) == torch.float32 and mod._store_dtype(bf16) == torch.bfloat16
 
 
-@pytest.mark.parametrize("name,backward", [("rwkv6", True), ("gated_deltanet", False),
+@pytest.mark.parametrize("name,backward", [pytest.param("rwkv6", True, marks=pytest.mark.slow), ("rwkv6", False),
+                                           ("gated_deltanet", False),
                                            pytest.param("gated_deltanet", True, marks=pytest.mark.slow),
                                            pytest.param("linear_attention", True, marks=pytest.mark.slow),
                                            pytest.param("gla", True, marks=pytest.mark.slow)])
