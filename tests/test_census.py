@@ -73,7 +73,8 @@ def test_narrow_gives_every_module_its_own_rule_back():
         assert mod._store_dtype(fp16) == torch.float32 and mod._store_dtype(bf16) == torch.bfloat16
 
 
-@pytest.mark.parametrize("name,backward", [pytest.param("rwkv6", True, marks=pytest.mark.slow), ("rwkv6", False),
+@pytest.mark.parametrize("name,backward", [pytest.param("rwkv6", True, marks=pytest.mark.slow),
+                                           pytest.param("rwkv6", False, marks=pytest.mark.slow),
                                            ("gated_deltanet", False),
                                            pytest.param("gated_deltanet", True, marks=pytest.mark.slow),
                                            pytest.param("linear_attention", True, marks=pytest.mark.slow),
@@ -95,6 +96,7 @@ def test_the_census_at_a_shape_is_the_count_at_that_shape(name, backward):
     assert sum(c.flop for c in want.values()) > 0 and sum(c.store_bytes for c in want.values()) > 0
 
 
+@pytest.mark.slow  # two processes; the spec-error case below runs the command in the default tier
 def test_the_census_command_prints_its_table_and_says_what_is_wrong():
     ok = subprocess.run([sys.executable, "-m", "lrdsl.census", "examples/retnet.lr", "--shape", "1,256,2,32,32"],
                         capture_output=True, text=True, timeout=600)

@@ -196,7 +196,7 @@ def test_the_schedule_cuts_only_where_the_maps_ride_in_one_run(name, compiled, m
     assert cut is None or len(cut.bounds) == seg.count(1, 1, 1, 16384, 132)
 
 
-@pytest.mark.parametrize("n,HV", [(3, 2), (2, 5)])  # a loop over the heads; over the pieces
+@pytest.mark.parametrize("n,HV", [(3, 2), pytest.param(2, 5, marks=pytest.mark.slow)])  # a loop over the heads; over the pieces
 def test_finish_reads_the_wide_output_in_place(n, HV):
     """affine.finish in bf16 (the GEMMs on strided views, affine._Finish) against its float64
     arithmetic, o_w[..., :V] + C S, forward and both gradients; and _Finish itself through
