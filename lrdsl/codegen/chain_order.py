@@ -34,19 +34,19 @@ def _reads(*texts: str) -> frozenset:
     return frozenset(n for t in texts for n in _NAME.findall(t))
 
 
-def statements(plan, at) -> tuple:
+def statements(plan) -> tuple:
     """_chain_tokens' statements in the order the template emitted them before 2026-12-06: the
-    head index, the vector gradients' loads, the inputs' loads (at, _chain_at_dr's input, and
-    plan.chain_at_dc's are not read here, nor c's gradient with the latter), the log-decay's floor,
-    the shared subexpressions, the key-channel gradients and per-token sums in the inputs' order,
-    then the sums' stores."""
+    head index, the loads of the vector gradients it reads from memory (plan.chain_stored), the
+    inputs' loads (but those whose gradient is made where a vector's is: plan.chain_ats), the
+    log-decay's floor, the shared subexpressions, the key-channel gradients and per-token sums in
+    the inputs' order, then the sums' stores."""
     ch = plan.chain
-    at_dc = plan.chain_at_dc
+    taken = [l for _, l, _ in plan.chain_ats]
     out = [Stmt("head", None, ("h_f",))] if plan.uses_head else []
-    for n in ("dc",) if at else ("dc", "dr"):
-        if n != "dc" or (plan.delta or plan.bonus_key) and not at_dc:  # c's gradient read here
-            out.append(Stmt("vector_load", n, ("b_" + n,), tile=True))
-    loads = [(l, g) for l, g in zip(plan.loads, ch.grads) if l.kind in ("scalar", "K") and l not in (at, at_dc)]
+    for n in plan.chain_stored:
+        if n != "c" or plan.delta or plan.bonus_key:  # c's gradient exists (else no reader)
+            out.append(Stmt("vector_load", "d" + n, ("b_d" + n,), tile=True))
+    loads = [(l, g) for l, g in zip(plan.loads, ch.grads) if l.kind in ("scalar", "K") and l not in taken]
     for l, _ in loads:
         out.append(Stmt("input_load", l, (l.var, "n_" + l.name) if l.l2norm else (l.var,), tile=l.kind == "K"))
     if ch.log_decay:

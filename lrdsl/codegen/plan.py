@@ -401,7 +401,7 @@ class Plan(SubTokenRows):
     def chain_steps(self) -> tuple:
         """_chain_tokens' statements (plan.chain_in_dk), in the order that keeps the fewest tiles
         live (codegen/chain_order.py)."""
-        return chain_order.order(chain_order.statements(self, self.chain_at_dr)) if self.chain_in_dk else ()
+        return chain_order.order(chain_order.statements(self)) if self.chain_in_dk else ()
 
     @property
     def chain_start(self) -> tuple:
