@@ -67,9 +67,10 @@ def widen(m, x: dict, K: int) -> dict:
     kinds, zeroed = m.kinds(), values(m)
     out = dict(x)
     for n, t in x.items():
-        if kinds[n] == "V":
-            pad = t[..., :1].detach().expand(*t.shape[:-1], K)
-            out[n] = torch.cat([t, torch.zeros_like(pad) if n in zeroed else pad], -1)
+        if n in zeroed:  # one write of the wide tensor (zeros_like of an expanded view fills a whole
+            out[n] = torch.nn.functional.pad(t, (0, K))  # tensor first, which the cat then reads)
+        elif kinds[n] == "V":
+            out[n] = torch.cat([t, t[..., :1].detach().expand(*t.shape[:-1], K)], -1)
     return out
 
 
