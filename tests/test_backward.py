@@ -820,6 +820,7 @@ def test_staged_backward_for_per_channel_decays(name, strong, monkeypatch):
     from lrdsl.codegen.plan import Plan
     mixer = lrdsl.compile(next(p for p in EXAMPLES if p.stem == name))
     launches = count_launches(monkeypatch, mixer.kernels, "staged_dk")
+    flags = pair_flags(monkeypatch, mixer.kernels)
 
     def edit(x):
         if strong:
@@ -830,6 +831,27 @@ def test_staged_backward_for_per_channel_decays(name, strong, monkeypatch):
     errors, failures = compare(mixer, case, output_final_state=True, seed=5, edit=edit)
     assert launches, "the staged backward did not run"
     assert not failures, f"failing {describe(failures)}; all: {describe(errors)}"
+    # the pair stage's first launch leaves to its second exactly the (head, chunk) whose block decays
+    # past exp(-SPAN): head 1 of the second sequence's one chunk; flags (sequence, head)-major
+    assert len(flags) == 1, f"the pair stage's first launch ran {len(flags)} times"
+    assert flags[0].tolist() == ([0, 0, 0, 1] if strong else [0, 0, 0, 0]), flags[0].tolist()
+
+
+def pair_flags(monkeypatch, module) -> list:
+    """The flags each first launch of a module's staged_pair_kernel set (for the test): which (sequence,
+    head, chunk, key slice) it left to its second launch, the exact diagonal blocks."""
+    out, original = [], module.staged_pair_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                original[grid](*args, **kw)
+                if not kw["EXACT"]:
+                    out.append(args[-3].clone())  # (exact, NCK, n_pairs)
+            return launch
+
+    monkeypatch.setattr(module, "staged_pair_kernel", Recording())
+    return out
 
 
 # linear_attention (no decay) and gla (a decay per key channel) in pytest -q; the scalar decays under -m slow
