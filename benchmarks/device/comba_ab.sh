@@ -9,7 +9,8 @@
 # ab_base.sh, e.g. from 88822e9):
 #   benchmarks/device/comba_ab.sh
 BUDGET=${BUDGET:-560} source .gpucache/setup.sh
-TAIL=8 g tests python3 -m pytest -m gpu -n 4 -q -p no:cacheprovider tests/test_gpu.py tests/test_twins_rwkv.py \
+TAIL=8 g tests env LRDSL_TEST_DEVICE=cuda LRDSL_AUTOTUNE=0 python3 -m pytest -m gpu -n 4 -q -p no:cacheprovider --dist load \
+    tests/test_gpu.py tests/test_twins_rwkv.py \
     tests/test_hf.py -k "comba or fla_layer"
 for round in 1 2; do
     TAIL=2 g base_$round env PYTHONPATH=/tmp/site:$PWD/.gpucache/base python3 -P -m lrdsl.cli bench --backward --no-fla \

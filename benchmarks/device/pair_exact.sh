@@ -9,8 +9,9 @@
 # usage (device machine, repository root, with the kit of README.md here):
 #   SAVE_BINS=1 benchmarks/device/pair_exact.sh
 BUDGET=${BUDGET:-560} source .gpucache/setup.sh
-TAIL=10 g tests python3 -m pytest -m gpu -n 4 -q -p no:cacheprovider tests/test_gpu.py tests/test_dplr.py \
-    tests/test_twins_rwkv.py tests/test_hf.py -k "comba or fla_layer or kda or rwkv7 or dplr or gla"
+TAIL=10 g tests env LRDSL_TEST_DEVICE=cuda LRDSL_AUTOTUNE=0 python3 -m pytest -m gpu -n 6 -q -p no:cacheprovider \
+    --dist load tests/test_gpu.py tests/test_dplr.py -k "(comba or kda or rwkv or dplr or gla or oja or gdn2) and \
+    (backward_bf16 or strong_decays or nonfinite_backward or finite_loads)"
 for round in 1 2; do
     TAIL=3 g base_$round env PYTHONPATH=/tmp/site:$PWD/.gpucache/base python3 -P -m lrdsl.cli bench --backward --no-fla \
         --shape 4,4096,16,128,128 examples/rwkv7.lr examples/comba.lr
