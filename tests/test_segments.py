@@ -235,7 +235,7 @@ def test_incoming_states_compose_each_run_and_stop_at_its_start(kind):
     n, HV, K = 7, 2, 5
     shape = (n, HV, K) if kind == "elementwise" else (n, HV, K, K)
     L, R = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
-    starts = torch.tensor([True, False, False, True, False, True, False])
+    starts = (True, False, False, True, False, True, False)
     R[2, 0].fill_(float("nan"))  # in the first run only
     S_in, S_out = incoming(L, R, mul, starts)
     prev = None

@@ -206,29 +206,30 @@ def right_mul(L, X):
 
 def prefix(L, R, mul=torch.matmul, starts=None):
     """Inclusive compositions of the maps along dim 0: R[j] becomes the state after piece j from the
-    state before the first piece of its run, i.e. R_j + L_j (R_{j-1} + L_{j-1} (...)). starts ([n]
-    bool, None for none): pieces that begin a run (their sequence starts in them), where the
-    composition stops whatever came before (the state entering such a piece is selected to zero,
-    not multiplied by a zero map: a nan or inf of one sequence stays out of the next). mul: matmul
-    for S, elementwise for auxiliary states."""
+    state before the first piece of its run, i.e. R_j + L_j (R_{j-1} + L_{j-1} (...)). starts (n
+    bools on the host, None for none): pieces that begin a run (their sequence starts in them), where
+    the composition stops whatever came before (the state entering such a piece is zero, not the
+    state before multiplied by a zero map: a nan or inf of one sequence stays out of the next). mul:
+    matmul for S, elementwise for auxiliary states."""
     return incoming(L, R, mul, starts)[1]
 
 
 def incoming(L, R, mul=torch.matmul, starts=None) -> tuple:
     """(S_in, S_out) of the pieces along dim 0: S_out as `prefix` gives it, S_in[j] the state
     entering piece j from the pieces before it in its run (S_out[j - 1], zero where piece j begins
-    a run, and for the first piece). A walk in order, one product, add and select per piece, on
-    unbound rows stacked at the end: the pieces number a few to some tens, and the backward of a
-    log-depth scan's slices and concatenations (a zero-filled gradient of the whole stack for each
-    slice) cost several times its launches and host time (2026-12-07)."""
+    a run, and for the first piece). A walk in order, one product and add per piece that continues
+    a run (none where one starts: the host knows which), on unbound rows stacked at the end: the
+    pieces number a few to some tens, and the backward of a log-depth scan's slices and
+    concatenations (a zero-filled gradient of the whole stack for each slice) cost several times
+    its launches and host time (2026-12-07)."""
     n = L.shape[0]
     Ls, Rs = L.unbind(0), R.unbind(0)
-    stops = [None] * n if starts is None else starts.unbind(0)
-    zero = torch.zeros((), dtype=R.dtype, device=R.device)
-    outs, ins = [Rs[0]], [torch.zeros_like(Rs[0])]
+    stops = [False] * n if starts is None else [bool(s) for s in starts]
+    zero = torch.zeros_like(Rs[0])
+    outs, ins = [Rs[0]], [zero]
     for j in range(1, n):
-        ins.append(outs[-1] if stops[j] is None else torch.where(stops[j], zero, outs[-1]))
-        outs.append(_step(mul, Rs[j], Ls[j], ins[-1]))
+        ins.append(zero if stops[j] else outs[-1])
+        outs.append(Rs[j] if stops[j] else _step(mul, Rs[j], Ls[j], outs[-1]))
     return torch.stack(ins), torch.stack(outs)
 
 

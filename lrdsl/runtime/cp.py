@@ -399,5 +399,5 @@ def _compose(maps, n_l: int, every: list, rank: int, mul):
     """The state entering this rank from the gathered maps [world, ..., L | R] of the ranks before
     it, composed in rank order; a rank whose carried sequence starts on it (not `through`) cuts the
     composition."""
-    starts = torch.tensor([not every[i].through for i in range(rank)], device=maps.device)
+    starts = [not every[i].through for i in range(rank)]
     return prefix(maps[:rank, ..., :n_l], maps[:rank, ..., n_l:], mul, starts)[-1]

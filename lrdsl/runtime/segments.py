@@ -171,7 +171,7 @@ def chunk(mixer, batch, c: Cut):
 
     # each segment's own start: the sequence's initial state where it begins it, else zero
     through = _put(c.through, dev)
-    starts = ~through
+    starts = [not t for t in c.through]  # (on the host: incoming selects there, no launch)
     firsts = _put(tuple(i for i, t in enumerate(c.through) if not t), dev)
     lasts = _put(c.lasts, dev)
     A = torch.zeros(n, HV, K, V, **f32)
