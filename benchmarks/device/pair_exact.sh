@@ -21,4 +21,6 @@ TAIL=10 g tests env LRDSL_TEST_DEVICE=cuda LRDSL_AUTOTUNE=0 python3 -m pytest -m
 ab 2
 TAIL=12 g sweep python3 benchmarks/pair_sweep.py --subs 32 --keys 64 --warps 4,8 --regs 0,128,168 \
     examples/rwkv7.lr examples/kda.lr
+# what is left of the call: the segmented call at issue 43's long shape after 7989de7 and 59a6c98
+TAIL=12 g segments python3 benchmarks/segments.py --specs gated_deltanet --shapes long --segments auto,1
 for n in base_1 head_1 base_2 head_2; do echo "== $n"; grep "^[0-9]* |" $OUT/logs/$n.txt | cut -d" " -f2- | cut -c1-300; done
