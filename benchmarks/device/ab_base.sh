@@ -8,8 +8,6 @@
 #   BUDGET=300 benchmarks/device/ab_base.sh B,T,H,K,V SPEC ...
 source .gpucache/setup.sh
 SHAPE=$1; shift
-for round in 1 2; do
-    TAIL=2 g base_$round env PYTHONPATH=/tmp/site:$PWD/.gpucache/base python3 -P -m lrdsl.cli bench --backward --no-fla --shape $SHAPE "$@"
-    TAIL=2 g head_$round $LR bench --backward --no-fla --shape $SHAPE "$@"
-done
-for n in base_1 head_1 base_2 head_2; do echo "== $n"; grep "^[0-9]* |" $OUT/logs/$n.txt | cut -d" " -f2- | cut -c1-300; done
+ab_round 1 $SHAPE "$@"
+ab_round 2 $SHAPE "$@"
+ab_tables

@@ -12,12 +12,9 @@ BUDGET=${BUDGET:-560} source .gpucache/setup.sh
 TAIL=8 g tests env LRDSL_TEST_DEVICE=cuda LRDSL_AUTOTUNE=0 python3 -m pytest -m gpu -n 4 -q -p no:cacheprovider --dist load \
     tests/test_gpu.py tests/test_twins_rwkv.py \
     tests/test_hf.py -k "comba or fla_layer"
-for round in 1 2; do
-    TAIL=2 g base_$round env PYTHONPATH=/tmp/site:$PWD/.gpucache/base python3 -P -m lrdsl.cli bench --backward --no-fla \
-        --shape 4,4096,16,128,128 examples/comba.lr
-    TAIL=2 g head_$round $LR bench --backward --no-fla --shape 4,4096,16,128,128 examples/comba.lr
-done
+ab_round 1 4,4096,16,128,128 examples/comba.lr
+ab_round 2 4,4096,16,128,128 examples/comba.lr
 TAIL=60 g kernels python3 benchmarks/profile_kernels.py examples/comba.lr --backward --fla
 TAIL=14 g twins python3 benchmarks/twins_rwkv.py --no-bounded --no-parts \
     --shapes "4,4096,16,128,128 1,16384,32,128,128" examples/comba.lr
-for n in base_1 head_1 base_2 head_2; do echo "== $n"; grep "^[0-9]* |" $OUT/logs/$n.txt | cut -d" " -f2- | cut -c1-300; done
+ab_tables

@@ -9,18 +9,13 @@
 # usage (device machine, repository root, with the kit of README.md here):
 #   SAVE_BINS=1 benchmarks/device/pair_exact.sh
 BUDGET=${BUDGET:-560} source .gpucache/setup.sh
-ab() {  # one round of the A/B: the base's lrdsl, then this checkout's
-    TAIL=3 g base_$1 env PYTHONPATH=/tmp/site:$PWD/.gpucache/base python3 -P -m lrdsl.cli bench --backward --no-fla \
-        --shape 4,4096,16,128,128 examples/rwkv7.lr examples/comba.lr
-    TAIL=3 g head_$1 $LR bench --backward --no-fla --shape 4,4096,16,128,128 examples/rwkv7.lr examples/comba.lr
-}
-ab 1
+ab_round 1 4,4096,16,128,128 examples/rwkv7.lr examples/comba.lr
 TAIL=10 g tests env LRDSL_TEST_DEVICE=cuda LRDSL_AUTOTUNE=0 python3 -m pytest -m gpu -n 6 -q -p no:cacheprovider \
     --dist load tests/test_gpu.py tests/test_dplr.py -k "(comba or kda or rwkv or dplr or gla or oja or gdn2) and \
     (backward_bf16 or strong_decays or nonfinite_backward or finite_loads)"
-ab 2
+ab_round 2 4,4096,16,128,128 examples/rwkv7.lr examples/comba.lr
 TAIL=12 g sweep python3 benchmarks/pair_sweep.py --subs 32 --keys 64 --warps 4,8 --regs 0,128,168 \
     examples/rwkv7.lr examples/kda.lr
 # what is left of the call: the segmented call at issue 43's long shape after 7989de7 and 59a6c98
 TAIL=12 g segments python3 benchmarks/segments.py --specs gated_deltanet --shapes long --segments auto,1
-for n in base_1 head_1 base_2 head_2; do echo "== $n"; grep "^[0-9]* |" $OUT/logs/$n.txt | cut -d" " -f2- | cut -c1-300; done
+ab_tables

@@ -47,3 +47,17 @@ g() {
     grep -v "^[0-9]* *$" $OUT/logs/$n.txt | grep -v "Warning\|warn(" | tail -${TAIL:-15}
     echo "rc=$rc"
 }
+# ab_round N B,T,H,K,V SPEC...: round N of an A/B, `lrdsl bench --backward --no-fla` with the base
+# commit's lrdsl (.gpucache/base, python -P: not the working directory's), then this checkout's;
+# ab_tables: every round's tables, printed last (ab_base.sh)
+ab_round() {
+    local r=$1 shape=$2; shift 2
+    TAIL=3 g base_$r env PYTHONPATH=/tmp/site:$PWD/.gpucache/base python3 -P -m lrdsl.cli bench --backward --no-fla \
+        --shape $shape "$@"
+    TAIL=3 g head_$r $LR bench --backward --no-fla --shape $shape "$@"
+}
+ab_tables() {
+    for n in base_1 head_1 base_2 head_2; do
+        [ -f $OUT/logs/$n.txt ] && { echo "== $n"; grep "^[0-9]* |" $OUT/logs/$n.txt | cut -d" " -f2- | cut -c1-300; }
+    done
+}
